@@ -1,0 +1,27 @@
+"""chunked_offload: keep optimizer state in host memory and step it chunk by chunk on the GPU."""
+
+from .adapters import Adapter, GenericAdapter, KeyedAdapter
+from .host_arena import HostArena
+from .masters import MasterMode
+from .optimizer import ChunkedOffloadOptimizer
+from .planner import Bundle, Chunk, ChunkPlan, Role, TensorSpec, plan_chunks
+from .state_dict import MASTER_KEY
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MASTER_KEY",
+    "Adapter",
+    "Bundle",
+    "Chunk",
+    "ChunkPlan",
+    "ChunkedOffloadOptimizer",
+    "GenericAdapter",
+    "HostArena",
+    "KeyedAdapter",
+    "MasterMode",
+    "Role",
+    "TensorSpec",
+    "__version__",
+    "plan_chunks",
+]

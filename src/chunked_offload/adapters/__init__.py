@@ -1,0 +1,77 @@
+"""Adapters: one per inner-optimizer family, chosen by ``resolve_adapter``."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .base import Adapter, GroupCounters, KeyedAdapter, is_dense, spec_of
+from .torch_optim import GenericAdapter, torch_adapter
+
+__all__ = [
+    "Adapter",
+    "GenericAdapter",
+    "GroupCounters",
+    "KeyedAdapter",
+    "is_dense",
+    "refusal_reason",
+    "resolve_adapter",
+    "spec_of",
+]
+
+logger = logging.getLogger(__name__)
+
+# (substring of the lower-cased class name, why it cannot be chunked). DESIGN.md contract 7.
+_REFUSED_NAMES = [
+    ("lbfgs", "it keeps one history over the flattened gradient of every parameter and re-evaluates closures"),
+    ("sparseadam", "it needs sparse gradients, which cannot be staged as dense chunks"),
+    ("lamb", "LAMB-style optimizers reduce a global gradient norm over all parameters before updating any"),
+    ("lars", "LARS-style optimizers compute trust ratios from norms that span the whole model"),
+    ("novograd", "NovoGrad keeps per-layer norms computed over all parameters before the update"),
+    ("paged", "paged optimizers keep their state in managed memory that the driver moves on its own"),
+    ("zeroredundancy", "it shards state across ranks and broadcasts parameters inside step()"),
+    ("distributed", "distributed optimizers shard parameters or matrices across ranks inside step()"),
+]
+
+
+def refusal_reason(inner: torch.optim.Optimizer) -> str | None:
+    """Why ``inner`` cannot be stepped chunk by chunk, or None if it can."""
+    name = type(inner).__name__.lower()
+    for needle, why in _REFUSED_NAMES:
+        if needle in name:
+            return why
+    if getattr(inner, "is_paged", False):
+        return _REFUSED_NAMES[5][1]
+    return None
+
+
+def resolve_adapter(inner: torch.optim.Optimizer, adapter: Adapter | None = None) -> Adapter:
+    """The adapter for ``inner``: the one given, an explicit torch adapter, or the probing generic adapter.
+
+    Raises:
+        TypeError: ``inner`` cannot be chunked correctly.
+    """
+    cls = type(inner)
+    why = refusal_reason(inner)
+    if why is not None:
+        raise TypeError(
+            f"ChunkedOffloadOptimizer cannot wrap {cls.__module__}.{cls.__qualname__}: {why}. Only optimizers whose "
+            "update of each parameter depends on that parameter alone can be stepped chunk by chunk"
+        )
+    if adapter is not None:
+        if not isinstance(adapter, Adapter):
+            raise TypeError(f"adapter must be an Adapter instance, got {type(adapter).__name__}")
+        if adapter.inner is not inner:
+            raise ValueError("adapter was built for a different optimizer instance than the one being wrapped")
+        return adapter
+    explicit = torch_adapter(inner)
+    if explicit is not None:
+        return explicit
+    logger.warning(
+        "no explicit adapter for %s.%s; assuming a per-parameter update and probing its state layout. "
+        "Pass adapter=... to make this explicit",
+        cls.__module__,
+        cls.__qualname__,
+    )
+    return GenericAdapter(inner)

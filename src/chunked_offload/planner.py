@@ -1,0 +1,276 @@
+"""Pure chunk planning: parameter bundles and a byte budget in, a deterministic ChunkPlan out."""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["ALIGNMENT", "Bundle", "Chunk", "ChunkPlan", "Role", "TensorSpec", "plan_chunks"]
+
+# Every tensor starts on a 256-byte boundary inside a chunk: enough for any dtype view and for the
+# 16-byte vector loads that fused kernels (torch, Transformer Engine) issue on raw pointers.
+ALIGNMENT = 256
+
+
+class Role(enum.Enum):
+    """What a tensor in a bundle is, which decides where it lives and whether it crosses the link."""
+
+    STATE = "state"  # an inner-optimizer state tensor (Adam moments, Muon momentum); moves both ways
+    MASTER = "master"  # a wrapper-owned fp32 master ("fp32" mode); moves both ways
+    REMAINDER = "remainder"  # int16 low half of the fp32 master ("remainder" mode); moves both ways
+    TIE_BITS = "tie_bits"  # one bit per element that disambiguates the remainder at ties; moves both ways
+    SCRATCH = "scratch"  # device-only working memory (the fp32 grad, the rebuilt master); never moves
+
+    @property
+    def moves(self) -> bool:
+        return self is not Role.SCRATCH
+
+
+def _align(nbytes: int) -> int:
+    return (nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape, strides and dtype of one tensor of a bundle.
+
+    Attributes:
+        key: the state key (``"exp_avg"``) or the wrapper's own name (``"master"``, ``"grad32"``).
+        role: where the tensor lives and whether it moves.
+        shape: the tensor's shape.
+        stride: the tensor's strides; they describe a dense, non-overlapping layout.
+        dtype: the element type.
+    """
+
+    key: str
+    role: Role
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def padded_nbytes(self) -> int:
+        return _align(self.nbytes)
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """Everything that belongs to one parameter: its offloadable state, its master, its scratch.
+
+    Attributes:
+        index: the parameter's position in ``param_groups`` order (the id used by ``state_dict``).
+        specs: the bundle's tensors, in a fixed order.
+    """
+
+    index: int
+    specs: tuple[TensorSpec, ...]
+
+    @property
+    def device_nbytes(self) -> int:
+        """Bytes the bundle occupies in a staging slot."""
+        return sum(s.padded_nbytes for s in self.specs)
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes the bundle occupies in the host arena (and moves each way)."""
+        return sum(s.padded_nbytes for s in self.specs if s.role.moves)
+
+
+# A chunk's slot bytes are laid out region by region, so that the bytes that cross the link are one contiguous
+# range [0, transfer_nbytes) and the per-role regions can be handled as blocks:
+#   [ STATE tensors | MASTER / REMAINDER / TIE_BITS tensors | SCRATCH tensors ]
+_REGION_OF = {Role.STATE: 0, Role.MASTER: 1, Role.REMAINDER: 1, Role.TIE_BITS: 1, Role.SCRATCH: 2}
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A run of whole bundles that is staged, stepped and written back together.
+
+    Attributes:
+        index: position in the plan (the resident chunk has index -1).
+        params: parameter indices, in ``param_groups`` order.
+        host_offset: byte offset of the chunk's moving bytes in the host arena (-1 for the resident chunk).
+        region_nbytes: bytes of the three regions (state, wrapper-owned, scratch).
+        offsets: byte offset of each tensor inside the chunk, keyed by ``(param index, key)``.
+    """
+
+    index: int
+    params: tuple[int, ...]
+    host_offset: int
+    region_nbytes: tuple[int, int, int]
+    offsets: dict[tuple[int, str], int] = field(repr=False, compare=False)
+
+    @property
+    def state_nbytes(self) -> int:
+        return self.region_nbytes[0]
+
+    @property
+    def transfer_nbytes(self) -> int:
+        """Bytes copied each way: the state and wrapper-owned regions."""
+        return self.region_nbytes[0] + self.region_nbytes[1]
+
+    @property
+    def device_nbytes(self) -> int:
+        """Bytes of staging memory the chunk needs on the device."""
+        return sum(self.region_nbytes)
+
+
+def _layout_chunk(index: int, bundles: Sequence[Bundle], host_offset: int) -> Chunk:
+    sizes = [0, 0, 0]
+    for b in bundles:
+        for s in b.specs:
+            sizes[_REGION_OF[s.role]] += s.padded_nbytes
+    cursor = [0, sizes[0], sizes[0] + sizes[1]]
+    offsets: dict[tuple[int, str], int] = {}
+    for b in bundles:
+        for s in b.specs:
+            region = _REGION_OF[s.role]
+            offsets[(b.index, s.key)] = cursor[region]
+            cursor[region] += s.padded_nbytes
+    return Chunk(index, tuple(b.index for b in bundles), host_offset, (sizes[0], sizes[1], sizes[2]), offsets)
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """The deterministic schedule of what moves together.
+
+    Attributes:
+        chunks: offloaded chunks in parameter order; their moving bytes tile the host arena in this order.
+        resident: the bundles kept on the device (``offload_fraction < 1``), laid out as one chunk, or None.
+        bundles: every bundle, by parameter index.
+        chunk_bytes: the requested chunk size in bytes.
+        num_slots: staging slots on the device.
+    """
+
+    chunks: tuple[Chunk, ...]
+    resident: Chunk | None
+    bundles: tuple[Bundle, ...]
+    chunk_bytes: int
+    num_slots: int
+
+    @property
+    def host_nbytes(self) -> int:
+        """Size of the host arena."""
+        return sum(c.transfer_nbytes for c in self.chunks)
+
+    @property
+    def largest_bundle_nbytes(self) -> int:
+        offloaded = {i for c in self.chunks for i in c.params}
+        return max((b.device_nbytes for b in self.bundles if b.index in offloaded), default=0)
+
+    @property
+    def slot_nbytes(self) -> int:
+        """Bytes of one staging slot: the largest chunk."""
+        return max((c.device_nbytes for c in self.chunks), default=0)
+
+    @property
+    def window_bound_nbytes(self) -> int:
+        """Published bound on staging memory during ``step()``: ``num_slots * max(chunk, largest bundle)``."""
+        if not self.chunks:
+            return 0
+        return self.num_slots * max(self.chunk_bytes, self.largest_bundle_nbytes)
+
+    @property
+    def resident_nbytes(self) -> int:
+        return 0 if self.resident is None else self.resident.device_nbytes
+
+    def chunk_of(self, param_index: int) -> Chunk | None:
+        for c in self.chunks:
+            if param_index in c.params:
+                return c
+        return None
+
+    def summary(self) -> str:
+        """A short human-readable description."""
+        mib = 2**20
+        lines = [
+            f"ChunkPlan: {len(self.chunks)} chunks over {sum(len(c.params) for c in self.chunks)} params, "
+            f"host arena {self.host_nbytes / mib:.1f} MiB, slot {self.slot_nbytes / mib:.1f} MiB x {self.num_slots}, "
+            f"window bound {self.window_bound_nbytes / mib:.1f} MiB, resident {self.resident_nbytes / mib:.1f} MiB"
+        ]
+        for c in self.chunks:
+            lines.append(
+                f"  chunk {c.index}: params {c.params[0]}..{c.params[-1]} ({len(c.params)}), "
+                f"moves {c.transfer_nbytes / mib:.2f} MiB, slot {c.device_nbytes / mib:.2f} MiB"
+            )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def plan_chunks(
+    bundles: Sequence[Bundle], *, chunk_bytes: int, num_slots: int = 2, offload_fraction: float = 1.0
+) -> ChunkPlan:
+    """Pack whole bundles, in parameter order, into chunks of at most ``chunk_bytes`` slot bytes.
+
+    The first ``offload_fraction`` of the bytes (whole bundles, in parameter order) is offloaded; the rest stays
+    resident on the device. A bundle larger than ``chunk_bytes`` forms a chunk of its own. The result depends on
+    the arguments alone, so every rank and every run gets the same plan.
+
+    Args:
+        bundles: one bundle per parameter, in ``param_groups`` order.
+        chunk_bytes: the chunk budget in bytes (> 0).
+        num_slots: staging slots (>= 1); only used for the published bound.
+        offload_fraction: share of bundle bytes to offload, in [0, 1].
+
+    Returns:
+        The plan.
+    """
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be > 0, got {chunk_bytes}")
+    if num_slots < 1:
+        raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+    if not 0.0 <= offload_fraction <= 1.0:
+        raise ValueError(f"offload_fraction must be in [0, 1], got {offload_fraction}")
+    indices = [b.index for b in bundles]
+    if indices != sorted(indices) or len(set(indices)) != len(indices):
+        raise ValueError(f"bundles must be in strictly increasing parameter order, got indices {indices}")
+
+    total = sum(b.device_nbytes for b in bundles)
+    budget = offload_fraction * total
+    n_offloaded, running = 0, 0
+    if offload_fraction >= 1.0:
+        n_offloaded = len(bundles)
+    else:
+        for b in bundles:
+            if running + b.device_nbytes > budget:
+                break
+            running += b.device_nbytes
+            n_offloaded += 1
+
+    chunks: list[Chunk] = []
+    current: list[Bundle] = []
+    current_nbytes = 0
+    host_offset = 0
+
+    def close() -> None:
+        nonlocal current, current_nbytes, host_offset
+        chunk = _layout_chunk(len(chunks), current, host_offset)
+        chunks.append(chunk)
+        host_offset += chunk.transfer_nbytes
+        current, current_nbytes = [], 0
+
+    for b in bundles[:n_offloaded]:
+        if current and current_nbytes + b.device_nbytes > chunk_bytes:
+            close()
+        current.append(b)
+        current_nbytes += b.device_nbytes
+    if current:
+        close()
+
+    rest = list(bundles[n_offloaded:])
+    resident = _layout_chunk(-1, rest, -1) if rest else None
+    return ChunkPlan(tuple(chunks), resident, tuple(bundles), chunk_bytes, num_slots)

@@ -1,0 +1,93 @@
+"""StagingPool: a fixed number of device slots that chunks pass through during ``step()``."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+__all__ = ["Slot", "SlotState", "StagingPool"]
+
+
+class SlotState(enum.Enum):
+    """Host-side lifecycle of a slot, in enqueue order (the device catches up through events)."""
+
+    FREE = "free"  # holds nothing; its free_event (if any) marks the end of the last D2H that read it
+    LOADING = "loading"  # the H2D of a chunk is enqueued
+    READY = "ready"  # the chunk's step is enqueued on the compute stream
+    DRAINING = "draining"  # the D2H of the chunk is enqueued; the slot is FREE once free_event completes
+
+
+class Slot:
+    """One staging slot: a flat device buffer plus the event that says when it may be overwritten.
+
+    Attributes:
+        index: slot number.
+        buffer: flat uint8 device memory, or None while the pool is released or the chunk runs fresh (its
+            first step, when the inner optimizer allocates the state itself).
+        state: lifecycle state.
+        free_event: recorded on the D2H stream after the slot's last read; None before first use or on CPU.
+        retained: device tensors (freshly created state) that an in-flight D2H still reads.
+    """
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.buffer: torch.Tensor | None = None
+        self.state = SlotState.FREE
+        self.free_event: torch.cuda.Event | None = None
+        self.retained: list[torch.Tensor] = []
+
+    def advance(self, expected: tuple[SlotState, ...], to: SlotState) -> None:
+        """Move to ``to``, asserting the slot is in one of ``expected`` states."""
+        if self.state not in expected:
+            names = ", ".join(s.value for s in expected)
+            raise RuntimeError(f"staging slot {self.index} is {self.state.value}; expected one of: {names}")
+        self.state = to
+
+
+class StagingPool:
+    """``num_slots`` device slots, allocated on first need and released by ``release()``.
+
+    [Note: Two-slot staging]
+    Chunk ``i`` uses slot ``i % num_slots``. The H2D of chunk ``i`` waits on the slot's ``free_event`` (the D2H of
+    chunk ``i - num_slots``), the step of chunk ``i`` waits on its H2D, and the D2H of chunk ``i`` waits on the step.
+    With two slots the link carries the H2D of chunk ``i + 1`` and the D2H of chunk ``i - 1`` while chunk ``i``
+    steps, and no more than two chunks are ever on the device: the GPU window is
+    ``num_slots * max(chunk, largest bundle)``. The first step has no state to bring in, so its chunks run
+    "fresh": the inner optimizer creates the state on the device, the D2H reads those tensors directly, and the
+    slot only bounds how many chunks are in flight (their tensors sit in ``retained``).
+
+    Args:
+        num_slots: number of slots (>= 1).
+        device: the device the slots live on.
+    """
+
+    def __init__(self, num_slots: int, device: torch.device) -> None:
+        self.slots = [Slot(i) for i in range(num_slots)]
+        self.device = device
+        self.slot_nbytes = 0
+
+    @property
+    def allocated(self) -> bool:
+        return self.slot_nbytes > 0
+
+    def slot_for(self, position: int) -> Slot:
+        """The slot used by the ``position``-th chunk of a step."""
+        return self.slots[position % len(self.slots)]
+
+    def allocate(self, slot_nbytes: int) -> None:
+        """Give every slot ``slot_nbytes`` bytes of device memory (no-op when they already have that)."""
+        if slot_nbytes == self.slot_nbytes:
+            return
+        for slot in self.slots:
+            slot.buffer = torch.empty(slot_nbytes, dtype=torch.uint8, device=self.device)
+        self.slot_nbytes = slot_nbytes
+
+    def release(self) -> None:
+        """Drop the device memory. The caller has already waited for every transfer that touches it."""
+        for slot in self.slots:
+            slot.buffer = None
+            slot.retained.clear()
+            slot.free_event = None
+            slot.state = SlotState.FREE
+        self.slot_nbytes = 0

@@ -1,0 +1,151 @@
+"""TransferEngine: H2D and D2H streams, and the events that order them against the compute stream."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.autograd.profiler import record_function
+
+from .staging import Slot, SlotState
+
+__all__ = ["TransferEngine"]
+
+
+class TransferEngine:
+    """Moves chunk bytes between the host arena and staging slots, on two side streams.
+
+    The ordering rules are those of ``[Note: Two-slot staging]`` in staging.py. On a device without streams (the
+    CPU) every copy is synchronous and every event is None, so the same calls run the same logic.
+
+    Args:
+        device: the device the slots live on.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.uses_streams = device.type == "cuda"
+        self.h2d_stream: torch.cuda.Stream | None = None
+        self.d2h_stream: torch.cuda.Stream | None = None
+        if self.uses_streams:
+            self.h2d_stream = torch.cuda.Stream(device)
+            self.d2h_stream = torch.cuda.Stream(device)
+        # The last D2H enqueued: every host view is current once it completes (the D2H stream is in order).
+        self.last_d2h_event: torch.cuda.Event | None = None
+
+    def _record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def begin_step(self) -> None:
+        """Order this step's H2D copies after the previous step's write-back of the same host bytes."""
+        if self.h2d_stream is not None and self.last_d2h_event is not None:
+            # Without this wait an H2D could read a host region that last step's D2H is still writing.
+            self.h2d_stream.wait_event(self.last_d2h_event)
+
+    def reclaim(self, slot: Slot) -> None:
+        """Drop the fresh tensors a slot retained, once the compute stream is ordered after their D2H."""
+        if not slot.retained:
+            return
+        if self.uses_streams and slot.free_event is not None:
+            # Without this wait the allocator could hand these blocks to the next step while the D2H reads them.
+            torch.cuda.current_stream(self.device).wait_event(slot.free_event)
+        slot.retained.clear()
+
+    def stage_in(
+        self, slot: Slot, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, fresh_memory: bool = False
+    ) -> torch.cuda.Event | None:
+        """Copy each ``(device, host)`` pair host -> device; return the event the step must wait on.
+
+        Args:
+            slot: the slot the chunk will run in.
+            pairs: destination device tensors and source host views.
+            fresh_memory: the destinations were just allocated on the compute stream (a fresh chunk's scratch).
+        """
+        slot.advance((SlotState.FREE, SlotState.DRAINING), SlotState.LOADING)
+        if not pairs:
+            return None
+        with record_function("chunked_offload::h2d"):
+            if not self.uses_streams or self.h2d_stream is None:
+                for dev, host in pairs:
+                    dev.copy_(host)
+                return None
+            with torch.cuda.stream(self.h2d_stream):
+                if slot.free_event is not None:
+                    # Without this wait the H2D overwrites the slot while the previous chunk's D2H still reads it.
+                    self.h2d_stream.wait_event(slot.free_event)
+                if fresh_memory:
+                    # Without this wait the H2D could write a block the allocator recycled from compute-stream work
+                    # that has not finished yet.
+                    self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
+                for dev, host in pairs:
+                    # non_blocking: the source is page-locked, so this is an async DMA overlapping the compute stream.
+                    dev.copy_(host, non_blocking=True)
+                return self._record(self.h2d_stream)
+
+    def wait_staged(self, slot: Slot, h2d_event: torch.cuda.Event | None) -> None:
+        """Order the compute stream after the slot's H2D."""
+        slot.advance((SlotState.LOADING,), SlotState.READY)
+        self.reclaim(slot)
+        if h2d_event is not None:
+            # Without this wait the step reads the slot before its bytes have arrived.
+            torch.cuda.current_stream(self.device).wait_event(h2d_event)
+
+    def write_back(
+        self,
+        slot: Slot,
+        pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        retain: Sequence[torch.Tensor] = (),
+    ) -> None:
+        """After the step, copy each ``(host, device)`` pair device -> host on the D2H stream.
+
+        Args:
+            slot: the slot the chunk ran in; its ``free_event`` is re-recorded.
+            pairs: destination host views and source device tensors.
+            retain: device tensors to keep alive until the D2H has read them (fresh state).
+        """
+        slot.advance((SlotState.READY,), SlotState.DRAINING)
+        with record_function("chunked_offload::d2h"):
+            if not self.uses_streams or self.d2h_stream is None:
+                for host, dev in pairs:
+                    host.copy_(dev)
+                return
+            step_done = self._record(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.d2h_stream):
+                # Without this wait the D2H copies the slot before the step's kernels have updated it.
+                self.d2h_stream.wait_event(step_done)
+                for host, dev in pairs:
+                    # non_blocking: the destination is page-locked; readers wait on free_event / last_d2h_event.
+                    host.copy_(dev, non_blocking=True)
+                slot.free_event = self._record(self.d2h_stream)
+            self.last_d2h_event = slot.free_event
+            slot.retained.extend(retain)
+
+    def end_step(self, slots: Sequence[Slot]) -> None:
+        """Hand still-retained fresh tensors to the allocator without waiting for their D2H."""
+        for slot in slots:
+            if self.d2h_stream is not None:
+                for t in slot.retained:
+                    # Without record_stream the allocator could give this block to the next forward while the
+                    # D2H stream still reads it.
+                    t.record_stream(self.d2h_stream)
+            slot.retained.clear()
+
+    def synchronize(self) -> None:
+        """Block the host until every enqueued D2H has landed in the host arena."""
+        if self.last_d2h_event is not None:
+            # Without this the host could read (or a caller could save) host views a D2H is still writing.
+            self.last_d2h_event.synchronize()
+            self.last_d2h_event = None
+
+    def drain(self, slots: Sequence[Slot]) -> None:
+        """Wait for every transfer and return every slot to FREE (used before releasing memory)."""
+        for stream in (self.h2d_stream, self.d2h_stream):
+            if stream is not None:
+                # Without this the slots could be freed while a copy on a side stream still uses them.
+                stream.synchronize()
+        self.last_d2h_event = None
+        for slot in slots:
+            slot.retained.clear()
+            slot.state = SlotState.FREE

@@ -1,0 +1,105 @@
+"""Resident reference loops and exact comparison helpers, shared by the tests and the benchmarks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+# Odd shapes: a scalar-like vector, primes, a matrix wider than tall, one larger than the others.
+ODD_SHAPES: list[tuple[int, ...]] = [(7, 3), (101,), (33, 17), (5,), (64, 129), (1, 1), (3, 5, 7)]
+MATRIX_SHAPES: list[tuple[int, ...]] = [(7, 3), (33, 17), (64, 129), (1, 1), (40, 8)]
+
+
+def make_params(
+    shapes: Sequence[tuple[int, ...]],
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> list[torch.nn.Parameter]:
+    """Deterministic params: the same seed gives bitwise-equal params."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(device=device, dtype=dtype)) for s in shapes]
+
+
+def make_grads(
+    params: Sequence[torch.Tensor], step: int, seed: int = 1, none_every: int = 0
+) -> list[torch.Tensor | None]:
+    """Deterministic grads for one step; with ``none_every=k`` param ``i`` gets None when ``(i + step) % k == 0``."""
+    gen = torch.Generator().manual_seed(seed * 100_003 + step)
+    grads: list[torch.Tensor | None] = []
+    for i, p in enumerate(params):
+        g = torch.randn(p.shape, generator=gen).to(device=p.device, dtype=p.dtype)
+        grads.append(None if none_every and (i + step) % none_every == 0 else g)
+    return grads
+
+
+def set_grads(params: Iterable[torch.Tensor], grads: Iterable[torch.Tensor | None]) -> None:
+    for p, g in zip(params, grads, strict=True):
+        p.grad = None if g is None else g.clone()
+
+
+def run_steps(
+    opt: torch.optim.Optimizer,
+    params: Sequence[torch.Tensor],
+    steps: int,
+    *,
+    none_every: int = 0,
+    scheduler: Any = None,
+    first_step: int = 0,
+) -> None:
+    """The resident reference loop: set grads, step, zero_grad (optionally an LR scheduler)."""
+    for step in range(first_step, first_step + steps):
+        set_grads(params, make_grads(params, step, none_every=none_every))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            scheduler.step()
+
+
+def run_master_reference(
+    make_inner: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+    params: Sequence[torch.nn.Parameter],
+    steps: int,
+    *,
+    none_every: int = 0,
+) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
+    """Resident fp32-master training: fp32 copies stepped by a fresh inner, params set from the masters.
+
+    Params of 16-bit dtype get an fp32 master; others are stepped directly. Returns the masters and the optimizer.
+    """
+    masters = [
+        torch.nn.Parameter(p.detach().float().clone()) if p.dtype in (torch.bfloat16, torch.float16) else p
+        for p in params
+    ]
+    opt = make_inner(list(masters))
+    for step in range(steps):
+        grads = make_grads(params, step, none_every=none_every)
+        for m, g in zip(masters, grads, strict=True):
+            m.grad = None if g is None else g.to(m.dtype)
+        opt.step()
+        for p, m in zip(params, masters, strict=True):
+            if m is not p:
+                p.data.copy_(m.detach())
+        opt.zero_grad(set_to_none=True)
+    return masters, opt
+
+
+def assert_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+    """Bitwise equality (NaNs equal to NaNs): offloading moves bytes and must not change them."""
+    torch.testing.assert_close(a.cpu(), b.cpu(), rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{what}: {m}")
+
+
+def assert_states_equal(
+    ref: torch.optim.Optimizer, ref_params: Sequence[torch.Tensor], got: Any, got_params: Sequence[torch.Tensor]
+) -> None:
+    """Every state entry of every param is present in both and bitwise equal."""
+    for i, (rp, gp) in enumerate(zip(ref_params, got_params, strict=True)):
+        rs, gs = ref.state.get(rp, {}), got.state.get(gp, {})
+        assert set(rs) == set(gs), f"param {i}: state keys {sorted(rs)} vs {sorted(gs)}"
+        for k in rs:
+            if isinstance(rs[k], torch.Tensor):
+                assert_equal(rs[k], gs[k], f"param {i} state {k!r}")
+            else:
+                assert rs[k] == gs[k], f"param {i} state {k!r}: {rs[k]!r} vs {gs[k]!r}"
