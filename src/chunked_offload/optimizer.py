@@ -208,7 +208,12 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         )
         if plan != self._plan:
             old_homes = {id(info.param): self._homes[info.index] for info in self._infos}
-            arena = HostArena(plan.host_nbytes, pin=self._pin)
+            same_host_layout = self._plan is not None and _host_layout(plan) == _host_layout(self._plan)
+            arena = (
+                self._arena
+                if same_host_layout and self._arena is not None
+                else HostArena(plan.host_nbytes, pin=self._pin)
+            )
             resident_flat = None
             homes: Views = {}
             for chunk in plan.chunks:
@@ -493,6 +498,18 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
 
 
 _NON_STATE = (Role.MASTER, Role.REMAINDER, Role.TIE_BITS, Role.SCRATCH)
+
+
+def _host_layout(plan: ChunkPlan) -> list[tuple[int, str, int]]:
+    """Where every moving tensor sits in the host arena: equal layouts can share one arena (no re-pinning)."""
+    specs = {b.index: b.specs for b in plan.bundles}
+    return [
+        (i, s.key, c.host_offset + c.offsets[(i, s.key)])
+        for c in plan.chunks
+        for i in c.params
+        for s in specs[i]
+        if s.role.moves
+    ]
 
 
 def _chunk_views(

@@ -1,0 +1,253 @@
+"""Step time and GPU window of ChunkedOffloadOptimizer vs the resident optimizer and a full-reload baseline.
+
+Command (the README's `make bench` runs it with the defaults for the machine it finds):
+    PYTHONPATH=src python3 benchmarks/bench_step.py                      # GPU: 1e9 params, 4096^2 matrices
+    PYTHONPATH=src python3 benchmarks/bench_step.py --workloads adamw --chunks-mb 64,256,1024
+
+Every variant starts from the same params and takes the same steps with the same grads, so the final params must
+be bitwise equal to the resident run ("exact" column). Times are CUDA-event medians (p20/p80 in the CSV); the
+floor is the bytes each step moves each way divided by the measured bidirectional bandwidth of this link.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from chunked_offload import ChunkedOffloadOptimizer
+from common import (
+    ROOT,
+    FullReload,
+    Stats,
+    append_csv,
+    device_name,
+    git_sha,
+    make_matrices,
+    measure_link,
+    peak_extra_bytes,
+    set_random_grads,
+    synchronize,
+    time_calls,
+)
+
+MiB = 2**20
+
+
+@dataclass
+class Workload:
+    name: str
+    dtype: torch.dtype
+    make_inner: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+    state_bytes_per_param: float  # inner state bytes that move each way, per param
+    modes: list[str]  # master_weights modes to run through the wrapper
+    baselines: bool  # also run resident and full reload
+
+
+def workloads(device: torch.device) -> dict[str, Workload]:
+    fused = device.type == "cuda"
+
+    def adamw(ps: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, fused=fused)
+
+    def muon(ps: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.Muon(ps, lr=1e-3, weight_decay=0.01)
+
+    return {
+        "adamw": Workload("adamw", torch.float32, adamw, 8, ["none"], True),
+        "adamw-bf16-masters": Workload("adamw-bf16-masters", torch.bfloat16, adamw, 8, ["fp32", "remainder"], False),
+        "muon": Workload("muon", torch.float32, muon, 4, ["none"], True),
+    }
+
+
+# Bytes a wrapper-owned master adds each way per param: an fp32 master, or an int16 remainder plus one tie bit.
+MASTER_BYTES = {"none": 0.0, "fp32": 4.0, "remainder": 2.125}
+
+
+@dataclass
+class Row:
+    workload: str
+    variant: str
+    stats: Stats
+    floor_s: float | None
+    first_peak: int
+    peak: int
+    bound: int | None
+    exact: bool | None
+    build_s: float
+
+
+def run_variant(
+    make_opt: Callable[[], Any],
+    params: list[torch.nn.Parameter],
+    init: list[torch.Tensor],
+    device: torch.device,
+    args: Any,
+) -> tuple[Stats, int, int, list[torch.Tensor], float, Any]:
+    with torch.no_grad():
+        for p, x in zip(params, init, strict=True):
+            p.copy_(x)
+    set_random_grads(params)
+    synchronize(device)
+    t0 = time.perf_counter()
+    opt = make_opt()
+    build_s = time.perf_counter() - t0
+    first_peak = peak_extra_bytes(opt.step, device)
+    times = time_calls(opt.step, device, args.warmup, args.iters)
+    peak = peak_extra_bytes(opt.step, device)
+    final = [p.detach().to("cpu") for p in params]
+    return Stats.of(times), first_peak, peak, final, build_s, opt
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--params", type=float, default=None, help="parameters per workload (default 1e9 GPU, 2e6 CPU)")
+    parser.add_argument("--dim", type=int, default=None, help="square matrix size (default 4096 GPU, 512 CPU)")
+    parser.add_argument("--chunks-mb", default=None, help="chunk sizes for the adamw workload")
+    parser.add_argument("--master-chunk-mb", type=float, default=256.0, help="chunk size for the other workloads")
+    parser.add_argument("--workloads", default=None, help="default: all on a GPU; adamw and masters on the CPU")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--link-mb", type=int, default=None)
+    parser.add_argument("--csv", type=Path, default=ROOT / "benchmarks" / "results" / "bench_step.csv")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    n_params = args.params or (1e9 if gpu else 2e6)
+    dim = args.dim or (4096 if gpu else 512)
+    chunks = [float(c) for c in (args.chunks_mb or ("64,128,256,512,1024,2048" if gpu else "1,4,64")).split(",")]
+    if not gpu:
+        args.master_chunk_mb = min(args.master_chunk_mb, 4.0)
+    # Muon's Newton-Schulz runs in bf16, which a CPU without bf16 matrix units does slowly: GPU only by default.
+    args.workloads = args.workloads or ("adamw,adamw-bf16-masters,muon" if gpu else "adamw,adamw-bf16-masters")
+
+    meta = {"gpu": device_name(device), "torch": torch.__version__, "sha": git_sha()}
+    csv_rows: list[dict[str, Any]] = []
+
+    def record(workload: str, variant: str, metric: str, value: float) -> None:
+        csv_rows.append(
+            {
+                "workload": workload,
+                "variant": variant,
+                "metric": metric,
+                "value": value,
+                **meta,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            }
+        )
+
+    link = measure_link(device, (args.link_mb or (1024 if gpu else 64)) * MiB)
+    print(f"# {meta['gpu']}, torch {meta['torch']}, {meta['sha']}")
+    print(
+        f"# link (pinned): H2D {link.h2d / 1e9:.1f} GB/s, D2H {link.d2h / 1e9:.1f} GB/s, "
+        f"both at once {link.duplex / 1e9:.1f} GB/s each way"
+    )
+    for metric, value in (("h2d_GBps", link.h2d), ("d2h_GBps", link.d2h), ("duplex_GBps", link.duplex)):
+        record("link", "pinned", metric, value / 1e9)
+
+    rows: list[Row] = []
+    for name in args.workloads.split(","):
+        wl = workloads(device)[name]
+        params = make_matrices(n_params, dim, wl.dtype, device)
+        init = [p.detach().clone().cpu() for p in params]
+        numel = sum(p.numel() for p in params)
+        reference: list[torch.Tensor] | None = None
+        print(
+            f"# workload {name}: {len(params)} x {dim}^2 {str(wl.dtype).removeprefix('torch.')} = {numel / 1e9:.3f}e9 params"
+        )
+
+        def add(
+            variant: str,
+            result: tuple[Stats, int, int, list[torch.Tensor], float, Any],
+            floor_s: float | None,
+            bound: int | None,
+            exact: bool | None,
+        ) -> None:
+            stats, first_peak, peak, _, build_s, _ = result
+            rows.append(Row(name, variant, stats, floor_s, first_peak, peak, bound, exact, build_s))
+            record(name, variant, "step_s_median", stats.median)
+            record(name, variant, "step_s_p20", stats.p20)
+            record(name, variant, "step_s_p80", stats.p80)
+            record(name, variant, "peak_extra_MiB_first_step", first_peak / MiB)
+            record(name, variant, "peak_extra_MiB", peak / MiB)
+            if floor_s:
+                record(name, variant, "x_duplex_floor", stats.median / floor_s)
+            if bound is not None:
+                record(name, variant, "window_bound_MiB", bound / MiB)
+
+        def same(final: list[torch.Tensor]) -> bool | None:
+            return None if reference is None else all(torch.equal(a, b) for a, b in zip(reference, final, strict=True))
+
+        if wl.baselines:
+            res = run_variant(lambda: wl.make_inner(params), params, init, device, args)
+            reference = res[3]
+            add("resident", res, None, None, None)
+            del res
+            floor = numel * wl.state_bytes_per_param / link.duplex
+            res = run_variant(lambda: FullReload(wl.make_inner(params)), params, init, device, args)
+            add("full-reload", res, floor, None, same(res[3]))
+            del res
+        for mode in wl.modes:
+            floor = numel * (wl.state_bytes_per_param + MASTER_BYTES[mode]) / link.duplex
+            for chunk in chunks if name == "adamw" else [args.master_chunk_mb]:
+                res = run_variant(
+                    lambda: ChunkedOffloadOptimizer(wl.make_inner(params), chunk_size_mb=chunk, master_weights=mode),
+                    params,
+                    init,
+                    device,
+                    args,
+                )
+                opt = res[5]
+                if reference is None:  # masters workload: the fp32-master run is the reference for remainder mode
+                    reference = res[3]
+                    exact = None
+                else:
+                    exact = same(res[3])
+                variant = f"chunked-{chunk:g}MB" + ("" if mode == "none" else f"-{mode}")
+                add(variant, res, floor, opt.plan.window_bound_nbytes, exact)
+                del res, opt
+                gc.collect()
+        del params, init
+        gc.collect()
+        if gpu:
+            torch.cuda.empty_cache()
+
+    append_csv(args.csv, csv_rows)
+    print()
+    header = (
+        f"{'workload':<20} {'variant':<28} {'step s':>8} {'x floor':>8} {'peak MiB':>9} {'1st MiB':>9} "
+        f"{'bound MiB':>9} {'build s':>8} {'exact':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    resident = {r.workload: r.stats.median for r in rows if r.variant == "resident"}
+    for r in rows:
+        xf = f"{r.stats.median / r.floor_s:.3f}" if r.floor_s else "-"
+        bound = f"{r.bound / MiB:.0f}" if r.bound is not None else "-"
+        exact = "-" if r.exact is None else ("yes" if r.exact else "NO")
+        print(
+            f"{r.workload:<20} {r.variant:<28} {r.stats.median:>8.4f} {xf:>8} {r.peak / MiB:>9.1f} "
+            f"{r.first_peak / MiB:>9.1f} {bound:>9} {r.build_s:>8.2f} {exact:>6}"
+        )
+    for wl_name, t_res in resident.items():
+        full = [r.stats.median for r in rows if r.workload == wl_name and r.variant == "full-reload"]
+        best = min(
+            (r.stats.median for r in rows if r.workload == wl_name and r.variant.startswith("chunked")), default=None
+        )
+        if full and best:
+            print(f"# {wl_name}: full reload / best chunked = {full[0] / best:.2f}x; resident step {t_res:.4f} s")
+    masters = {r.variant.rsplit("-", 1)[-1]: r.stats.median for r in rows if r.workload == "adamw-bf16-masters"}
+    if "fp32" in masters and "remainder" in masters:
+        print(f"# masters: remainder / fp32 step time = {masters['remainder'] / masters['fp32']:.3f}")
+    print(f"# CSV rows appended to {args.csv}")
+
+
+if __name__ == "__main__":
+    main()

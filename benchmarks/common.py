@@ -1,0 +1,204 @@
+"""Shared benchmark pieces: workloads, link measurement, timing, the full-reload baseline, CSV rows."""
+
+from __future__ import annotations
+
+import csv
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from chunked_offload.host_arena import HostArena  # noqa: E402
+
+
+def git_sha() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({os.cpu_count()} cores)"
+
+
+@dataclass
+class Stats:
+    median: float
+    p20: float
+    p80: float
+
+    @classmethod
+    def of(cls, xs: list[float]) -> Stats:
+        qs = statistics.quantiles(xs, n=5) if len(xs) >= 2 else [xs[0]] * 4
+        return cls(statistics.median(xs), qs[0], qs[3])
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_calls(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> list[float]:
+    """Seconds per call: CUDA events on a GPU (each call synchronised), perf_counter on the CPU."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            # The D2H of the last chunk runs on a side stream; join it so the step is timed to its last byte.
+            torch.cuda.current_stream(device).wait_stream(torch.cuda.default_stream(device))
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+@dataclass
+class Link:
+    h2d: float  # bytes/s, pinned host -> device
+    d2h: float  # bytes/s, device -> pinned host
+    duplex: float  # bytes/s each way, both directions at once
+
+
+def measure_link(device: torch.device, nbytes: int, iters: int = 5) -> Link:
+    """Pinned host <-> device bandwidth in one direction and in both at once (two streams)."""
+    pin = device.type == "cuda"
+    host = [HostArena(nbytes, pin=pin).region(0, nbytes) for _ in range(2)]
+    for h in host:
+        h.fill_(1)
+    dev = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
+
+    def h2d() -> None:
+        dev[0].copy_(host[0], non_blocking=True)
+
+    def d2h() -> None:
+        host[1].copy_(dev[1], non_blocking=True)
+
+    if device.type != "cuda":
+        t_h2d = statistics.median(time_calls(h2d, device, 1, iters))
+        t_d2h = statistics.median(time_calls(d2h, device, 1, iters))
+        return Link(nbytes / t_h2d, nbytes / t_d2h, nbytes / max(t_h2d, t_d2h))
+    streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
+
+    def both() -> None:
+        main = torch.cuda.current_stream(device)
+        for s in streams:
+            s.wait_stream(main)  # start both copies together, after the timing event
+        with torch.cuda.stream(streams[0]):
+            h2d()
+        with torch.cuda.stream(streams[1]):
+            d2h()
+        for s in streams:
+            main.wait_stream(s)  # the end event covers both copies
+
+    t_h2d = statistics.median(time_calls(h2d, device, 2, iters))
+    t_d2h = statistics.median(time_calls(d2h, device, 2, iters))
+    t_both = statistics.median(time_calls(both, device, 2, iters))
+    return Link(nbytes / t_h2d, nbytes / t_d2h, nbytes / t_both)
+
+
+def make_matrices(
+    n_params: float, dim: int, dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> list[torch.nn.Parameter]:
+    """``round(n_params / dim**2)`` square matrices (at least one)."""
+    count = max(1, round(n_params / dim**2))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [
+        torch.nn.Parameter(torch.randn(dim, dim, generator=gen, device=device, dtype=torch.float32).to(dtype) * 0.02)
+        for _ in range(count)
+    ]
+
+
+def set_random_grads(params: list[torch.nn.Parameter], seed: int = 1) -> None:
+    gen = torch.Generator(device=params[0].device).manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32).to(p.dtype) * 1e-3
+
+
+class FullReload:
+    """Baseline: all state H2D, the resident step, all D2H (as Megatron's ``--offload-optimizer-states``).
+
+    The first step creates the state on the device; afterwards every state tensor lives in pinned host memory
+    between steps and is copied in and out whole around each step.
+    """
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.inner = inner
+        self.host: dict[tuple[int, str], torch.Tensor] | None = None
+
+    def _tensors(self) -> list[tuple[tuple[int, str], dict[str, Any], str]]:
+        out = []
+        for i, p in enumerate(q for g in self.inner.param_groups for q in g["params"]):
+            state = self.inner.state.get(p, {})
+            out += [((i, k), state, k) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return out
+
+    @torch.no_grad()
+    def step(self) -> None:
+        if self.host is None:
+            self.inner.step()
+            pin = _device_of(self.inner).type == "cuda"
+            self.host = {
+                key: (state[k].to("cpu").pin_memory() if pin else state[k].to("cpu", copy=True))
+                for key, state, k in self._tensors()
+            }
+            for key, state, k in self._tensors():
+                state[k] = self.host[key]
+            return
+        for key, state, k in self._tensors():
+            state[k] = self.host[key].to(_device_of(self.inner), non_blocking=True)
+        self.inner.step()
+        for key, state, k in self._tensors():
+            self.host[key].copy_(state[k], non_blocking=True)
+            state[k] = self.host[key]
+        synchronize(_device_of(self.inner))
+
+
+def _device_of(opt: torch.optim.Optimizer) -> torch.device:
+    return opt.param_groups[0]["params"][0].device
+
+
+def peak_extra_bytes(fn: Callable[[], Any], device: torch.device) -> int:
+    """Peak device memory allocated during ``fn`` above what was allocated before it."""
+    if device.type != "cuda":
+        return 0
+    synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def append_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fields = ["workload", "variant", "metric", "value", "gpu", "torch", "sha", "time"]
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
