@@ -105,6 +105,61 @@ def run_variant(
     return Stats.of(times), first_peak, peak, final, build_s, opt
 
 
+def bench_workload(
+    wl: Workload, n_params: float, dim: int, chunks: list[float], duplex: float, device: torch.device, args: Any
+) -> list[Row]:
+    """Resident, full reload (when ``wl.baselines``) and the wrapper in each master mode and chunk size."""
+    params = make_matrices(n_params, dim, wl.dtype, device)
+    init = [p.detach().clone().cpu() for p in params]
+    numel = sum(p.numel() for p in params)
+    dtype = str(wl.dtype).removeprefix("torch.")
+    print(f"# workload {wl.name}: {len(params)} x {dim}^2 {dtype} = {numel / 1e9:.3f}e9 params", flush=True)
+    rows: list[Row] = []
+    reference: list[torch.Tensor] | None = None
+
+    def run(variant: str, make_opt: Callable[[], Any], floor_s: float | None) -> Row:
+        nonlocal reference
+        stats, first_peak, peak, final, build_s, opt = run_variant(make_opt, params, init, device, args)
+        bound = opt.plan.window_bound_nbytes if isinstance(opt, ChunkedOffloadOptimizer) else None
+        exact = None if reference is None else all(torch.equal(a, b) for a, b in zip(reference, final, strict=True))
+        if reference is None:
+            reference = final  # the first variant (resident, or the fp32-master run) is the reference
+        row = Row(wl.name, variant, stats, floor_s, first_peak, peak, bound, exact, build_s)
+        print(f"#   {variant}: {stats.median:.4f} s", flush=True)
+        return row
+
+    if wl.baselines:
+        rows.append(run("resident", lambda: wl.make_inner(params), None))
+        floor = numel * wl.state_bytes_per_param / duplex
+        rows.append(run("full-reload", lambda: FullReload(wl.make_inner(params)), floor))
+    for mode in wl.modes:
+        floor = numel * (wl.state_bytes_per_param + MASTER_BYTES[mode]) / duplex
+        for chunk in chunks:
+            variant = f"chunked-{chunk:g}MB" + ("" if mode == "none" else f"-{mode}")
+
+            def make(chunk: float = chunk, mode: str = mode) -> ChunkedOffloadOptimizer:
+                return ChunkedOffloadOptimizer(wl.make_inner(params), chunk_size_mb=chunk, master_weights=mode)
+
+            rows.append(run(variant, make, floor))
+            gc.collect()
+    return rows
+
+
+def record_row(r: Row, record: Callable[[str, str, str, float], None]) -> None:
+    record(r.workload, r.variant, "step_s_median", r.stats.median)
+    record(r.workload, r.variant, "step_s_p20", r.stats.p20)
+    record(r.workload, r.variant, "step_s_p80", r.stats.p80)
+    record(r.workload, r.variant, "peak_extra_MiB_first_step", r.first_peak / MiB)
+    record(r.workload, r.variant, "peak_extra_MiB", r.peak / MiB)
+    record(r.workload, r.variant, "build_s", r.build_s)
+    if r.floor_s:
+        record(r.workload, r.variant, "x_duplex_floor", r.stats.median / r.floor_s)
+    if r.bound is not None:
+        record(r.workload, r.variant, "window_bound_MiB", r.bound / MiB)
+    if r.exact is not None:
+        record(r.workload, r.variant, "bitwise_equal", float(r.exact))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -155,66 +210,11 @@ def main() -> None:
     rows: list[Row] = []
     for name in args.workloads.split(","):
         wl = workloads(device)[name]
-        params = make_matrices(n_params, dim, wl.dtype, device)
-        init = [p.detach().clone().cpu() for p in params]
-        numel = sum(p.numel() for p in params)
-        reference: list[torch.Tensor] | None = None
-        print(
-            f"# workload {name}: {len(params)} x {dim}^2 {str(wl.dtype).removeprefix('torch.')} = {numel / 1e9:.3f}e9 params"
-        )
-
-        def add(
-            variant: str,
-            result: tuple[Stats, int, int, list[torch.Tensor], float, Any],
-            floor_s: float | None,
-            bound: int | None,
-            exact: bool | None,
-        ) -> None:
-            stats, first_peak, peak, _, build_s, _ = result
-            rows.append(Row(name, variant, stats, floor_s, first_peak, peak, bound, exact, build_s))
-            record(name, variant, "step_s_median", stats.median)
-            record(name, variant, "step_s_p20", stats.p20)
-            record(name, variant, "step_s_p80", stats.p80)
-            record(name, variant, "peak_extra_MiB_first_step", first_peak / MiB)
-            record(name, variant, "peak_extra_MiB", peak / MiB)
-            if floor_s:
-                record(name, variant, "x_duplex_floor", stats.median / floor_s)
-            if bound is not None:
-                record(name, variant, "window_bound_MiB", bound / MiB)
-
-        def same(final: list[torch.Tensor]) -> bool | None:
-            return None if reference is None else all(torch.equal(a, b) for a, b in zip(reference, final, strict=True))
-
-        if wl.baselines:
-            res = run_variant(lambda: wl.make_inner(params), params, init, device, args)
-            reference = res[3]
-            add("resident", res, None, None, None)
-            del res
-            floor = numel * wl.state_bytes_per_param / link.duplex
-            res = run_variant(lambda: FullReload(wl.make_inner(params)), params, init, device, args)
-            add("full-reload", res, floor, None, same(res[3]))
-            del res
-        for mode in wl.modes:
-            floor = numel * (wl.state_bytes_per_param + MASTER_BYTES[mode]) / link.duplex
-            for chunk in chunks if name == "adamw" else [args.master_chunk_mb]:
-                res = run_variant(
-                    lambda: ChunkedOffloadOptimizer(wl.make_inner(params), chunk_size_mb=chunk, master_weights=mode),
-                    params,
-                    init,
-                    device,
-                    args,
-                )
-                opt = res[5]
-                if reference is None:  # masters workload: the fp32-master run is the reference for remainder mode
-                    reference = res[3]
-                    exact = None
-                else:
-                    exact = same(res[3])
-                variant = f"chunked-{chunk:g}MB" + ("" if mode == "none" else f"-{mode}")
-                add(variant, res, floor, opt.plan.window_bound_nbytes, exact)
-                del res, opt
-                gc.collect()
-        del params, init
+        for row in bench_workload(
+            wl, n_params, dim, chunks if name == "adamw" else [args.master_chunk_mb], link.duplex, device, args
+        ):
+            rows.append(row)
+            record_row(row, record)
         gc.collect()
         if gpu:
             torch.cuda.empty_cache()

@@ -100,9 +100,9 @@ def _place_scalar(
 ) -> torch.Tensor:
     """Put a small state tensor (``step``) where the inner optimizer expects it, exactly as torch does."""
     policy = getattr(torch.optim.Optimizer, "_process_value_according_to_param_policy", None)
-    if policy is not None:
-        return policy(param, value, pid, saved_groups, key)
-    return value
+    placed = policy(param, value, pid, saved_groups, key) if policy is not None else value
+    # `.to()` returns its input when nothing changes: never share a counter with the checkpoint's owner.
+    return placed.clone() if placed is value else placed
 
 
 def _validate(

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from chunked_offload import ChunkedOffloadOptimizer, KeyedAdapter
+from chunked_offload.host_arena import is_page_locked
 from chunked_offload.transfer import TransferEngine
 from reference import (
     MATRIX_SHAPES,
@@ -105,7 +106,7 @@ def test_step_window_is_bounded(mode: str) -> None:
     for p in params:
         for key, value in opt.state[p].items():
             if value.dim() > 0:
-                assert value.device.type == "cpu" and value.is_pinned(), key
+                assert value.device.type == "cpu" and is_page_locked(value), key
 
 
 class _SleepyAdamW(torch.optim.AdamW):
@@ -190,7 +191,7 @@ def test_state_dict_and_load_allocate_no_gpu_memory() -> None:
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() <= before + 1 * MiB
     for p in params:
-        assert opt.state[p]["exp_avg"].is_pinned() and opt.state[p]["exp_avg_sq"].is_pinned()
+        assert is_page_locked(opt.state[p]["exp_avg"]) and is_page_locked(opt.state[p]["exp_avg_sq"])
 
 
 def test_plain_gpu_checkpoint_loads_without_gpu_spike_and_resumes_exactly() -> None:
@@ -214,3 +215,14 @@ def test_plain_gpu_checkpoint_loads_without_gpu_spike_and_resumes_exactly() -> N
     for a, b in zip(ref_params, params, strict=True):
         assert_equal(a, b)
     assert_states_equal(ref, ref_params, opt, params)
+
+
+def test_host_arena_is_page_locked_and_exact_size() -> None:
+    from chunked_offload import HostArena
+
+    arena = HostArena(3 * MiB + 123, pin=True)
+    assert arena.nbytes == 3 * MiB + 123
+    assert is_page_locked(arena.region(0, arena.nbytes))
+    assert is_page_locked(arena.region(arena.nbytes - 1, 1))
+    assert not is_page_locked(torch.empty(MiB, dtype=torch.uint8))
+    assert is_page_locked(torch.empty(MiB, dtype=torch.uint8, pin_memory=True))
