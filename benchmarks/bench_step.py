@@ -100,7 +100,9 @@ def run_variant(
     build_s = time.perf_counter() - t0
     first_peak = peak_extra_bytes(opt.step, device)
     times = time_calls(opt.step, device, args.warmup, args.iters)
-    peak = peak_extra_bytes(opt.step, device)
+    pool = getattr(opt, "_pool", None)
+    held = pool.slot_nbytes * len(pool.slots) if pool is not None else 0
+    peak = peak_extra_bytes(opt.step, device, held)
     final = [p.detach().to("cpu") for p in params]
     return Stats.of(times), first_peak, peak, final, build_s, opt
 

@@ -86,7 +86,8 @@ class Link:
 def measure_link(device: torch.device, nbytes: int, iters: int = 5) -> Link:
     """Pinned host <-> device bandwidth in one direction and in both at once (two streams)."""
     pin = device.type == "cuda"
-    host = [HostArena(nbytes, pin=pin).region(0, nbytes) for _ in range(2)]
+    arenas = [HostArena(nbytes, pin=pin) for _ in range(2)]  # kept alive: dropping one unregisters its memory
+    host = [a.region(0, nbytes) for a in arenas]
     for h in host:
         h.fill_(1)
     dev = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
@@ -181,12 +182,13 @@ def _device_of(opt: torch.optim.Optimizer) -> torch.device:
     return opt.param_groups[0]["params"][0].device
 
 
-def peak_extra_bytes(fn: Callable[[], Any], device: torch.device) -> int:
-    """Peak device memory allocated during ``fn`` above what was allocated before it."""
+def peak_extra_bytes(fn: Callable[[], Any], device: torch.device, held: int = 0) -> int:
+    """Peak device memory allocated during ``fn`` above what was allocated before it, plus ``held`` bytes that
+    the optimizer already held before the call (its staging slots), so the figure is the whole step window."""
     if device.type != "cuda":
         return 0
     synchronize(device)
-    base = torch.cuda.memory_allocated(device)
+    base = torch.cuda.memory_allocated(device) - held
     torch.cuda.reset_peak_memory_stats(device)
     fn()
     synchronize(device)

@@ -1,0 +1,115 @@
+"""Planner invariants: every byte covered once, parameter order kept, the bound respected, deterministic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from chunked_offload import Bundle, Role, TensorSpec, plan_chunks
+from chunked_offload.planner import ALIGNMENT
+
+DTYPES = [torch.float32, torch.bfloat16, torch.int16, torch.uint8]
+ROLES = [Role.STATE, Role.STATE, Role.MASTER, Role.REMAINDER, Role.TIE_BITS, Role.SCRATCH]
+
+
+@st.composite
+def bundles(draw: st.DrawFn) -> list[Bundle]:
+    out = []
+    for index in range(draw(st.integers(0, 25))):
+        specs = []
+        for k in range(draw(st.integers(0, 4))):
+            numel = draw(st.integers(0, 5000))
+            specs.append(
+                TensorSpec(f"k{k}", draw(st.sampled_from(ROLES)), (numel,), (1,), draw(st.sampled_from(DTYPES)))
+            )
+        out.append(Bundle(index, tuple(specs)))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(bundles(), st.integers(1, 40_000), st.integers(1, 4), st.sampled_from([0.0, 0.3, 0.5, 1.0]))
+def test_plan_invariants(bs: list[Bundle], chunk_bytes: int, num_slots: int, fraction: float) -> None:
+    plan = plan_chunks(bs, chunk_bytes=chunk_bytes, num_slots=num_slots, offload_fraction=fraction)
+
+    # Order kept and every bundle placed exactly once: offloaded prefix in chunks, then the resident rest.
+    placed = [i for c in plan.chunks for i in c.params] + (list(plan.resident.params) if plan.resident else [])
+    assert placed == [b.index for b in bs]
+    offloaded = [i for c in plan.chunks for i in c.params]
+    assert offloaded == [b.index for b in bs][: len(offloaded)]
+    if fraction == 1.0:
+        assert plan.resident is None
+
+    by_index = {b.index: b for b in bs}
+    for c in plan.chunks:
+        assert c.params, "no empty chunks"
+        # Bound: a chunk exceeds the budget only when it is one bundle larger than the budget.
+        assert c.device_nbytes <= chunk_bytes or len(c.params) == 1
+        assert c.device_nbytes == sum(by_index[i].device_nbytes for i in c.params)
+        assert c.device_nbytes <= max(chunk_bytes, plan.largest_bundle_nbytes)
+    assert plan.slot_nbytes * num_slots <= plan.window_bound_nbytes or not plan.chunks
+
+    # Coverage: the moving bytes of all chunks tile [0, host_nbytes) with no overlap; offsets are aligned.
+    spans = []
+    for c in plan.chunks:
+        for i in c.params:
+            for s in by_index[i].specs:
+                off = c.offsets[(i, s.key)]
+                assert off % ALIGNMENT == 0
+                if s.role.moves:
+                    assert off + s.padded_nbytes <= c.transfer_nbytes
+                    spans.append((c.host_offset + off, c.host_offset + off + s.padded_nbytes))
+                else:
+                    assert c.transfer_nbytes <= off < c.device_nbytes or s.nbytes == 0
+    spans.sort()
+    cursor = 0
+    for lo, hi in spans:
+        assert lo == cursor, "moving bytes must tile the arena exactly"
+        cursor = hi
+    assert cursor == plan.host_nbytes
+
+    # Deterministic: the same inputs give the same plan.
+    again = plan_chunks(bs, chunk_bytes=chunk_bytes, num_slots=num_slots, offload_fraction=fraction)
+    assert again == plan and [c.offsets for c in again.chunks] == [c.offsets for c in plan.chunks]
+
+
+def _bundle(index: int, nbytes: int) -> Bundle:
+    return Bundle(index, (TensorSpec("exp_avg", Role.STATE, (nbytes // 4,), (1,), torch.float32),))
+
+
+def test_large_bundle_forms_its_own_chunk_and_sets_the_bound() -> None:
+    plan = plan_chunks([_bundle(0, 1024), _bundle(1, 10_240), _bundle(2, 1024)], chunk_bytes=4096, num_slots=2)
+    assert [c.params for c in plan.chunks] == [(0,), (1,), (2,)]
+    assert plan.window_bound_nbytes == 2 * 10_240
+
+
+def test_small_bundles_share_a_chunk() -> None:
+    plan = plan_chunks([_bundle(i, 1024) for i in range(10)], chunk_bytes=4096, num_slots=2)
+    assert [c.params for c in plan.chunks] == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9)]
+    assert plan.window_bound_nbytes == 2 * 4096
+    assert "3 chunks" in plan.summary()
+
+
+def test_offload_fraction_keeps_the_tail_resident() -> None:
+    plan = plan_chunks([_bundle(i, 1024) for i in range(10)], chunk_bytes=4096, offload_fraction=0.5)
+    assert [i for c in plan.chunks for i in c.params] == [0, 1, 2, 3, 4]
+    assert plan.resident is not None and plan.resident.params == (5, 6, 7, 8, 9)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"chunk_bytes": 0}, "chunk_bytes must be > 0"),
+        ({"chunk_bytes": 10, "num_slots": 0}, "num_slots must be >= 1"),
+        ({"chunk_bytes": 10, "offload_fraction": 1.5}, r"offload_fraction must be in \[0, 1\]"),
+    ],
+)
+def test_bad_arguments_are_rejected(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        plan_chunks([_bundle(0, 1024)], **kwargs)
+
+
+def test_bundles_out_of_order_are_rejected() -> None:
+    with pytest.raises(ValueError, match="increasing parameter order"):
+        plan_chunks([_bundle(1, 1024), _bundle(0, 1024)], chunk_bytes=4096)
