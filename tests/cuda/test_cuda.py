@@ -226,3 +226,59 @@ def test_host_arena_is_page_locked_and_exact_size() -> None:
     assert is_page_locked(arena.region(arena.nbytes - 1, 1))
     assert not is_page_locked(torch.empty(MiB, dtype=torch.uint8))
     assert is_page_locked(torch.empty(MiB, dtype=torch.uint8, pin_memory=True))
+
+
+def test_resume_with_state_many_times_the_free_gpu_memory() -> None:
+    # 0.5e9 fp32 params: 4 GB of Adam state, loaded while only ~600 MB beyond params and grads may be allocated.
+    shapes = [(8192, 8192)] * 8
+    params = make_params(shapes, torch.float32, "cuda")
+    gen = torch.Generator().manual_seed(3)
+    sd = {
+        "state": {
+            i: {
+                "step": torch.tensor(7.0),
+                "exp_avg": torch.randn(s, generator=gen) * 1e-3,
+                "exp_avg_sq": torch.rand(s, generator=gen) * 1e-6,
+            }
+            for i, s in enumerate(shapes)
+        },
+        "param_groups": [
+            {
+                **torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True).param_groups[0],
+                "params": list(range(8)),
+            }
+        ],
+    }
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    # The reference: the resident optimizer loads the same checkpoint and steps once.
+    ref_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for rp, p in zip(ref_params, params, strict=True):
+        rp.grad = p.grad.clone()
+    ref = _fused_adamw(ref_params)
+    ref.load_state_dict(copy_state(sd))
+    ref.step()
+    expected = [p.detach().cpu() for p in ref_params]
+    del ref, ref_params
+    torch.cuda.empty_cache()
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    allowed = torch.cuda.memory_allocated() + 600 * MiB
+    torch.cuda.set_per_process_memory_fraction(allowed / total)
+    try:
+        opt = ChunkedOffloadOptimizer(_fused_adamw(params), chunk_size_mb=128)
+        assert opt.plan.host_nbytes >= 6 * (allowed - torch.cuda.memory_allocated())
+        opt.load_state_dict(sd)
+        opt.step()
+        torch.cuda.synchronize()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    for a, b in zip(expected, params, strict=True):
+        assert_equal(a, b)
+
+
+def copy_state(sd: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "state": {i: {k: v.clone() for k, v in e.items()} for i, e in sd["state"].items()},
+        "param_groups": [dict(g) for g in sd["param_groups"]],
+    }
