@@ -99,7 +99,9 @@ def run_variant(
     opt = make_opt()
     build_s = time.perf_counter() - t0
     first_peak = peak_extra_bytes(opt.step, device)
-    times = time_calls(opt.step, device, args.warmup, args.iters)
+    engine = getattr(opt, "_engine", None)
+    side = (engine.d2h_stream,) if engine is not None and engine.d2h_stream is not None else ()
+    times = time_calls(opt.step, device, args.warmup, args.iters, side)
     pool = getattr(opt, "_pool", None)
     held = pool.slot_nbytes * len(pool.slots) if pool is not None else 0
     peak = peak_extra_bytes(opt.step, device, held)

@@ -53,8 +53,14 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_calls(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> list[float]:
-    """Seconds per call: CUDA events on a GPU (each call synchronised), perf_counter on the CPU."""
+def time_calls(
+    fn: Callable[[], Any], device: torch.device, warmup: int, iters: int, side_streams: tuple[Any, ...] = ()
+) -> list[float]:
+    """Seconds per call: CUDA events on a GPU (each call synchronised), perf_counter on the CPU.
+
+    ``side_streams`` are joined before the end event, so that work ``fn`` leaves in flight there (the last
+    chunk's D2H) is inside the measurement: steps are timed to their last byte.
+    """
     for _ in range(warmup):
         fn()
     synchronize(device)
@@ -64,9 +70,9 @@ def time_calls(fn: Callable[[], Any], device: torch.device, warmup: int, iters: 
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
+            for stream in side_streams:
+                torch.cuda.current_stream(device).wait_stream(stream)
             end.record()
-            # The D2H of the last chunk runs on a side stream; join it so the step is timed to its last byte.
-            torch.cuda.current_stream(device).wait_stream(torch.cuda.default_stream(device))
             torch.cuda.synchronize(device)
             times.append(start.elapsed_time(end) / 1e3)
         else:

@@ -52,7 +52,11 @@ def is_page_locked(t: torch.Tensor) -> bool:
         return False
     cudart = _libcudart()
     flags = ctypes.c_uint(0)
-    return int(cudart.cudaHostGetFlags(ctypes.byref(flags), ctypes.c_void_p(t.data_ptr()))) == 0
+    locked = int(cudart.cudaHostGetFlags(ctypes.byref(flags), ctypes.c_void_p(t.data_ptr()))) == 0
+    # Without this the runtime keeps cudaErrorInvalidValue as its last error, and torch's next kernel launch
+    # check reports it as if that kernel had failed.
+    cudart.cudaGetLastError()
+    return locked
 
 
 def _libcudart() -> ctypes.CDLL:

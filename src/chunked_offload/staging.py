@@ -27,6 +27,8 @@ class Slot:
             first step, when the inner optimizer allocates the state itself).
         state: lifecycle state.
         free_event: recorded on the D2H stream after the slot's last read; None before first use or on CPU.
+        read_marks: ``(end, event)`` pairs of the last write-back, in order: once ``event`` completes, the D2H has
+            read every slot byte below ``end``, so an H2D may overwrite them (see [Note: Piecewise copies]).
         retained: device tensors (freshly created state) that an in-flight D2H still reads.
     """
 
@@ -35,6 +37,7 @@ class Slot:
         self.buffer: torch.Tensor | None = None
         self.state = SlotState.FREE
         self.free_event: torch.cuda.Event | None = None
+        self.read_marks: list[tuple[int, torch.cuda.Event]] = []
         self.retained: list[torch.Tensor] = []
 
     def advance(self, expected: tuple[SlotState, ...], to: SlotState) -> None:
@@ -89,5 +92,6 @@ class StagingPool:
             slot.buffer = None
             slot.retained.clear()
             slot.free_event = None
+            slot.read_marks = []
             slot.state = SlotState.FREE
         self.slot_nbytes = 0

@@ -9,7 +9,29 @@ from torch.autograd.profiler import record_function
 
 from .staging import Slot, SlotState
 
-__all__ = ["TransferEngine"]
+__all__ = ["PIECE_BYTES", "TransferEngine"]
+
+# [Note: Piecewise copies]
+# With two slots, the H2D of chunk i+1 reuses the slot that chunk i-1 is draining from. If it waited for the whole
+# D2H of chunk i-1 (which itself waits for chunk i-1's step), every chunk would cost one transfer plus half a step
+# on the link: the link idles while steps run. So copies of a slot's bytes go in pieces of about PIECE_BYTES, the
+# D2H records an event after each piece, and each H2D piece waits only for the D2H piece that read the same bytes.
+# The step then hides under the link, at no extra memory. 32 MiB copies still run at full link speed.
+PIECE_BYTES = 32 * 2**20
+
+
+def _pieces(nbytes: int) -> list[tuple[int, int]]:
+    count = max(1, -(-nbytes // PIECE_BYTES))
+    bounds = [nbytes * k // count for k in range(count + 1)]
+    return [(bounds[k], bounds[k + 1]) for k in range(count) if bounds[k + 1] > bounds[k]]
+
+
+def _slot_offset(slot: Slot, t: torch.Tensor) -> int | None:
+    """Byte offset of ``t`` in the slot's buffer, or None when ``t`` lives elsewhere (a fresh chunk's memory)."""
+    if slot.buffer is None:
+        return None
+    offset = t.data_ptr() - slot.buffer.data_ptr()
+    return offset if 0 <= offset < slot.buffer.numel() else None
 
 
 class TransferEngine:
@@ -72,16 +94,27 @@ class TransferEngine:
                     dev.copy_(host)
                 return None
             with torch.cuda.stream(self.h2d_stream):
-                if slot.free_event is not None:
-                    # Without this wait the H2D overwrites the slot while the previous chunk's D2H still reads it.
-                    self.h2d_stream.wait_event(slot.free_event)
                 if fresh_memory:
                     # Without this wait the H2D could write a block the allocator recycled from compute-stream work
                     # that has not finished yet.
                     self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
+                marks = list(slot.read_marks)
                 for dev, host in pairs:
-                    # non_blocking: the source is page-locked, so this is an async DMA overlapping the compute stream.
-                    dev.copy_(host, non_blocking=True)
+                    base = _slot_offset(slot, dev)
+                    if base is None:  # a fresh chunk's own memory: ordered by fresh_memory above
+                        dev.copy_(host, non_blocking=True)
+                        continue
+                    for lo, hi in _pieces(dev.numel()):
+                        while marks and marks[0][0] < base + hi:
+                            marks.pop(0)  # a later mark covers these bytes
+                        if marks:
+                            # Without this wait the H2D overwrites bytes the previous chunk's D2H has not read yet.
+                            self.h2d_stream.wait_event(marks[0][1])
+                        elif slot.free_event is not None:
+                            # Without this wait the H2D overwrites the slot while the previous D2H still reads it.
+                            self.h2d_stream.wait_event(slot.free_event)
+                        # non_blocking: the source is page-locked, so this is an async DMA beside the compute stream.
+                        dev[lo:hi].copy_(host[lo:hi], non_blocking=True)
                 return self._record(self.h2d_stream)
 
     def wait_staged(self, slot: Slot, h2d_event: torch.cuda.Event | None) -> None:
@@ -115,9 +148,17 @@ class TransferEngine:
             with torch.cuda.stream(self.d2h_stream):
                 # Without this wait the D2H copies the slot before the step's kernels have updated it.
                 self.d2h_stream.wait_event(step_done)
+                marks: list[tuple[int, torch.cuda.Event]] = []
                 for host, dev in pairs:
-                    # non_blocking: the destination is page-locked; readers wait on free_event / last_d2h_event.
-                    host.copy_(dev, non_blocking=True)
+                    base = _slot_offset(slot, dev)
+                    if base is None:  # fresh state tensors: kept alive through `retain`
+                        # non_blocking: the destination is page-locked; readers wait on free_event / last_d2h_event.
+                        host.copy_(dev, non_blocking=True)
+                        continue
+                    for lo, hi in _pieces(dev.numel()):
+                        host[lo:hi].copy_(dev[lo:hi], non_blocking=True)
+                        marks.append((base + hi, self._record(self.d2h_stream)))
+                slot.read_marks = sorted(marks, key=lambda m: m[0])
                 slot.free_event = self._record(self.d2h_stream)
             self.last_d2h_event = slot.free_event
             slot.retained.extend(retain)

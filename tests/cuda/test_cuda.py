@@ -149,25 +149,27 @@ def test_transfers_overlap_compute() -> None:
     assert timings[2] < 0.85 * timings[1], timings
 
 
-class _SlowD2HEngine(TransferEngine):
-    """Delays every D2H on its own stream: an H2D that did not wait for the slot's free event would corrupt it."""
+class _SlowSideStreams(TransferEngine):
+    """Sleeps on a side stream before every event it records (each H2D and D2H piece): an H2D that overtook the
+    D2H reading the same slot bytes, or a step that overtook its H2D, would corrupt the result."""
 
-    def write_back(self, slot: Any, pairs: Any, retain: Any = ()) -> None:
-        if self.d2h_stream is not None:
-            with torch.cuda.stream(self.d2h_stream):
-                torch.cuda._sleep(3_000_000)
-        super().write_back(slot, pairs, retain)
+    def _record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        if stream is not torch.cuda.current_stream():
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(300_000)
+        return super()._record(stream)
 
 
-def test_slow_side_streams_do_not_race() -> None:
-    shapes = [(512, 512)] * 12
+@pytest.mark.parametrize("chunk_mb", [2, 100])  # one piece per chunk; several 32 MiB pieces per chunk
+def test_slow_side_streams_do_not_race(chunk_mb: int) -> None:
+    shapes = [(2048, 2048)] * 8
     ref_params, params = make_params(shapes, torch.float32, "cuda"), make_params(shapes, torch.float32, "cuda")
     ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, fused=True)
     inner = _sleepy(params)
-    opt = ChunkedOffloadOptimizer(inner, chunk_size_mb=2, adapter=KeyedAdapter(inner, _adam_keys, "sleepy"))
-    opt._engine.__class__ = _SlowD2HEngine
-    run_steps(ref, ref_params, 8)
-    run_steps(opt, params, 8)
+    opt = ChunkedOffloadOptimizer(inner, chunk_size_mb=chunk_mb, adapter=KeyedAdapter(inner, _adam_keys, "sleepy"))
+    opt._engine.__class__ = _SlowSideStreams
+    run_steps(ref, ref_params, 6)
+    run_steps(opt, params, 6)
     sd = opt.state_dict()  # must wait for the slow D2H before handing out host views
     for a, b in zip(ref_params, params, strict=True):
         assert_equal(a, b)
