@@ -39,6 +39,8 @@ class Slot:
         self.free_event: torch.cuda.Event | None = None
         self.read_marks: list[tuple[int, torch.cuda.Event]] = []
         self.retained: list[torch.Tensor] = []
+        # Set when the buffer is (re)allocated on the compute stream: the next H2D must first wait for that stream.
+        self.needs_fence = False
 
     def advance(self, expected: tuple[SlotState, ...], to: SlotState) -> None:
         """Move to ``to``, asserting the slot is in one of ``expected`` states."""
@@ -84,6 +86,7 @@ class StagingPool:
             return
         for slot in self.slots:
             slot.buffer = torch.empty(slot_nbytes, dtype=torch.uint8, device=self.device)
+            slot.needs_fence = True
         self.slot_nbytes = slot_nbytes
 
     def release(self) -> None:

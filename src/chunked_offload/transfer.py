@@ -93,11 +93,13 @@ class TransferEngine:
                 for dev, host in pairs:
                     dev.copy_(host)
                 return None
+            compute = torch.cuda.current_stream(self.device)  # read before entering the H2D stream's context
             with torch.cuda.stream(self.h2d_stream):
-                if fresh_memory:
-                    # Without this wait the H2D could write a block the allocator recycled from compute-stream work
-                    # that has not finished yet.
-                    self.h2d_stream.wait_stream(torch.cuda.current_stream(self.device))
+                if fresh_memory or slot.needs_fence:
+                    # Without this wait the H2D could write a block that the allocator just recycled from
+                    # compute-stream work (or a D2H the compute stream waited for) that has not finished yet.
+                    self.h2d_stream.wait_stream(compute)
+                    slot.needs_fence = False
                 marks = list(slot.read_marks)
                 for dev, host in pairs:
                     base = _slot_offset(slot, dev)
@@ -121,9 +123,14 @@ class TransferEngine:
         """Order the compute stream after the slot's H2D."""
         slot.advance((SlotState.LOADING,), SlotState.READY)
         self.reclaim(slot)
-        if h2d_event is not None:
+        compute = torch.cuda.current_stream(self.device) if self.uses_streams else None
+        if compute is not None and slot.free_event is not None:
+            # Without this wait the step's scratch writes (past its own H2D bytes) could land on slot bytes that
+            # the previous chunk's D2H has not read yet, when that chunk moved more bytes than this one.
+            compute.wait_event(slot.free_event)
+        if compute is not None and h2d_event is not None:
             # Without this wait the step reads the slot before its bytes have arrived.
-            torch.cuda.current_stream(self.device).wait_event(h2d_event)
+            compute.wait_event(h2d_event)
 
     def write_back(
         self,

@@ -231,10 +231,12 @@ def test_host_arena_is_page_locked_and_exact_size() -> None:
 
 
 def test_resume_with_state_many_times_the_free_gpu_memory() -> None:
-    # 0.5e9 fp32 params: 4 GB of Adam state, loaded while only ~600 MB beyond params and grads may be allocated.
-    shapes = [(8192, 8192)] * 8
+    # 0.54e9 fp32 params in 64 bundles of 64 MiB: 4.3 GB of Adam state, loaded and stepped while only 400 MB
+    # beyond params and grads may be allocated (the window is 2 x 128 MiB).
+    shapes = [(2048, 4096)] * 64
     params = make_params(shapes, torch.float32, "cuda")
     gen = torch.Generator().manual_seed(3)
+    groups = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True).param_groups
     sd = {
         "state": {
             i: {
@@ -244,12 +246,7 @@ def test_resume_with_state_many_times_the_free_gpu_memory() -> None:
             }
             for i, s in enumerate(shapes)
         },
-        "param_groups": [
-            {
-                **torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True).param_groups[0],
-                "params": list(range(8)),
-            }
-        ],
+        "param_groups": [{**groups[0], "params": list(range(len(shapes)))}],
     }
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
@@ -261,15 +258,15 @@ def test_resume_with_state_many_times_the_free_gpu_memory() -> None:
     ref.load_state_dict(copy_state(sd))
     ref.step()
     expected = [p.detach().cpu() for p in ref_params]
-    del ref, ref_params
+    del ref, ref_params, rp
     torch.cuda.empty_cache()
 
     total = torch.cuda.get_device_properties(0).total_memory
-    allowed = torch.cuda.memory_allocated() + 600 * MiB
+    allowed = torch.cuda.memory_allocated() + 400 * MiB
     torch.cuda.set_per_process_memory_fraction(allowed / total)
     try:
         opt = ChunkedOffloadOptimizer(_fused_adamw(params), chunk_size_mb=128)
-        assert opt.plan.host_nbytes >= 6 * (allowed - torch.cuda.memory_allocated())
+        assert opt.plan.host_nbytes >= 10 * 400 * MiB
         opt.load_state_dict(sd)
         opt.step()
         torch.cuda.synchronize()
