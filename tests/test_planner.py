@@ -91,6 +91,19 @@ def test_small_bundles_share_a_chunk() -> None:
     assert "3 chunks" in plan.summary()
 
 
+def test_a_large_budget_still_keeps_the_pipeline_deep() -> None:
+    mib = 2**20
+    # 60 bundles of 128 MiB (Adam on 4096^2 fp32 matrices) with a 2 GiB budget: packing stops at 7.5 GiB / 32 =
+    # 240 MiB, so each chunk holds one bundle and the pipeline is 60 deep instead of 4.
+    bundles = [_bundle(i, 128 * mib) for i in range(60)]
+    plan = plan_chunks(bundles, chunk_bytes=2048 * mib, num_slots=2)
+    assert len(plan.chunks) == 60 and plan.slot_nbytes == 128 * mib
+    assert plan.window_bound_nbytes == 2 * 2048 * mib  # the published bound keeps the requested budget
+    # Small states are not cut below 64 MiB chunks.
+    small = plan_chunks([_bundle(i, 1 * mib) for i in range(100)], chunk_bytes=2048 * mib)
+    assert len(small.chunks) == 2 and small.slot_nbytes == 64 * mib
+
+
 def test_offload_fraction_keeps_the_tail_resident() -> None:
     plan = plan_chunks([_bundle(i, 1024) for i in range(10)], chunk_bytes=4096, offload_fraction=0.5)
     assert [i for c in plan.chunks for i in c.params] == [0, 1, 2, 3, 4]

@@ -9,7 +9,27 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["ALIGNMENT", "Bundle", "Chunk", "ChunkPlan", "Role", "TensorSpec", "plan_chunks"]
+__all__ = [
+    "ALIGNMENT",
+    "MIN_AUTO_CHUNK_BYTES",
+    "PIPELINE_DEPTH",
+    "Bundle",
+    "Chunk",
+    "ChunkPlan",
+    "Role",
+    "TensorSpec",
+    "plan_chunks",
+]
+
+# [Note: Pipeline depth]
+# The first H2D and the last D2H of a step overlap nothing, so a step costs about one chunk more than its bytes
+# over the duplex bandwidth. With few, large chunks that is a large share (8 GB of Adam state in 2 GB chunks:
+# +20% on an H200). chunk_bytes is a budget, not a target: the planner packs to at most
+# max(MIN_AUTO_CHUNK_BYTES, total / PIPELINE_DEPTH) so the pipeline stays at least PIPELINE_DEPTH chunks deep,
+# never below MIN_AUTO_CHUNK_BYTES per chunk (small chunks pay per-chunk launch and event costs). The published
+# window bound still uses the requested budget, so it only gets more conservative.
+PIPELINE_DEPTH = 32
+MIN_AUTO_CHUNK_BYTES = 64 * 2**20
 
 # Every tensor starts on a 256-byte boundary inside a chunk: enough for any dtype view and for the
 # 16-byte vector loads that fused kernels (torch, Transformer Engine) issue on raw pointers.
@@ -216,7 +236,8 @@ def plan_chunks(
 ) -> ChunkPlan:
     """Pack whole bundles, in parameter order, into chunks of at most ``chunk_bytes`` slot bytes.
 
-    The first ``offload_fraction`` of the bytes (whole bundles, in parameter order) is offloaded; the rest stays
+    Chunks may be smaller than ``chunk_bytes`` to keep the pipeline deep (see [Note: Pipeline depth]). The
+    first ``offload_fraction`` of the bytes (whole bundles, in parameter order) is offloaded; the rest stays
     resident on the device. A bundle larger than ``chunk_bytes`` forms a chunk of its own. The result depends on
     the arguments alone, so every rank and every run gets the same plan.
 
@@ -251,6 +272,8 @@ def plan_chunks(
             running += b.device_nbytes
             n_offloaded += 1
 
+    offloaded_nbytes = sum(b.device_nbytes for b in bundles[:n_offloaded])
+    budget_bytes = min(chunk_bytes, max(MIN_AUTO_CHUNK_BYTES, -(-offloaded_nbytes // PIPELINE_DEPTH)))
     chunks: list[Chunk] = []
     current: list[Bundle] = []
     current_nbytes = 0
@@ -264,7 +287,7 @@ def plan_chunks(
         current, current_nbytes = [], 0
 
     for b in bundles[:n_offloaded]:
-        if current and current_nbytes + b.device_nbytes > chunk_bytes:
+        if current and current_nbytes + b.device_nbytes > budget_bytes:
             close()
         current.append(b)
         current_nbytes += b.device_nbytes
