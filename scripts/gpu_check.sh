@@ -12,6 +12,8 @@ mkdir -p "$out"
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } 2>&1 | tee "$out/machine.txt"
 python3 -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tee "$out/pytest_cuda.log" | tail -n 30
 test_rc=${PIPESTATUS[0]}
+python3 examples/train_loop.py --steps 20 2>&1 | tee "$out/example.log" | tail -n 4
+example_rc=${PIPESTATUS[0]}
 python3 benchmarks/bench_step.py --csv "$out/bench_step.csv" "$@" 2>&1 | tee "$out/bench_step.log"
 bench_rc=${PIPESTATUS[0]}
-echo "== summary: cuda tests rc=$test_rc ($(tail -n 1 "$out/pytest_cuda.log")), bench rc=$bench_rc"
+echo "== summary: cuda tests rc=$test_rc ($(tail -n 1 "$out/pytest_cuda.log")), example rc=$example_rc, bench rc=$bench_rc"
