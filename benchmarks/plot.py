@@ -30,7 +30,8 @@ def main() -> None:
     fig, axes = plt.subplots(1, len(ratio), figsize=(5 * len(ratio), 4), squeeze=False)
     for ax, (workload, variants) in zip(axes[0], ratio.items(), strict=True):
         names = list(variants)
-        ax.bar(range(len(names)), [variants[n] for n in names], color=["#999" if "reload" in n else "#2a7" for n in names])
+        colors = ["#999" if "reload" in n else "#2a7" for n in names]
+        ax.bar(range(len(names)), [variants[n] for n in names], color=colors)
         ax.axhline(1.0, color="k", linewidth=0.8)
         ax.axhline(1.05, color="r", linewidth=0.8, linestyle="--")
         ax.set_xticks(range(len(names)), [n.replace("chunked-", "") for n in names], rotation=45, ha="right")
