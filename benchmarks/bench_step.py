@@ -250,6 +250,8 @@ def main() -> None:
     masters = {r.variant.rsplit("-", 1)[-1]: r.stats.median for r in rows if r.workload == "adamw-bf16-masters"}
     if "fp32" in masters and "remainder" in masters:
         print(f"# masters: remainder / fp32 step time = {masters['remainder'] / masters['fp32']:.3f}")
+    if not gpu:
+        print("# CPU run: 'copies' are memcpy, so the floor is not a link floor; this run checks exactness and wiring")
     print(f"# CSV rows appended to {args.csv}")
 
 
