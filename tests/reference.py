@@ -103,3 +103,21 @@ def assert_states_equal(
                 assert_equal(rs[k], gs[k], f"param {i} state {k!r}")
             else:
                 assert rs[k] == gs[k], f"param {i} state {k!r}: {rs[k]!r} vs {gs[k]!r}"
+
+
+def assert_runs_match(
+    ref: torch.optim.Optimizer,
+    ref_params: Sequence[torch.Tensor],
+    opt: Any,
+    params: Sequence[torch.Tensor],
+    steps: int,
+    **kwargs: Any,
+) -> None:
+    """Run the reference and the wrapped optimizer through the same steps; params and state must match bitwise."""
+    run_steps(ref, ref_params, steps, **kwargs)
+    run_steps(opt, params, steps, **kwargs)
+    if hasattr(opt, "synchronize"):
+        opt.synchronize()
+    for i, (a, b) in enumerate(zip(ref_params, params, strict=True)):
+        assert_equal(a, b, f"param {i}")
+    assert_states_equal(ref, ref_params, opt, params)

@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from chunked_offload import ChunkedOffloadOptimizer
-from reference import MATRIX_SHAPES, ODD_SHAPES, assert_equal, assert_states_equal, make_params, run_steps
+from reference import (
+    MATRIX_SHAPES,
+    ODD_SHAPES,
+    assert_equal,
+    assert_runs_match,
+    assert_states_equal,
+    make_params,
+    run_steps,
+)
 
 Factory = Callable[[list[dict]], torch.optim.Optimizer]
 
@@ -55,12 +63,7 @@ def test_step_matches_unwrapped(name: str, dtype: torch.dtype, chunking: str) ->
     if chunking == "exceeds-all":
         assert len(opt.plan.chunks) == 1
 
-    run_steps(ref, ref_params, 50, none_every=3)
-    run_steps(opt, params, 50, none_every=3)
-
-    for i, (a, b) in enumerate(zip(ref_params, params, strict=True)):
-        assert_equal(a, b, f"param {i}")
-    assert_states_equal(ref, ref_params, opt, params)
+    assert_runs_match(ref, ref_params, opt, params, 50, none_every=3)
 
 
 @pytest.mark.parametrize("name", ["adamw-fused", "sgd-nesterov", "muon"])
@@ -89,11 +92,7 @@ def test_offload_fraction_matches_unwrapped(fraction: float) -> None:
     opt = ChunkedOffloadOptimizer(make(_groups(params)), chunk_size_mb=0.004, offload_fraction=fraction)
     n_offloaded = sum(len(c.params) for c in opt.plan.chunks)
     assert n_offloaded == {0.0: 0, 1.0: len(shapes)}.get(fraction, n_offloaded)
-    run_steps(ref, ref_params, 50, none_every=4)
-    run_steps(opt, params, 50, none_every=4)
-    for a, b in zip(ref_params, params, strict=True):
-        assert_equal(a, b)
-    assert_states_equal(ref, ref_params, opt, params)
+    assert_runs_match(ref, ref_params, opt, params, 50, none_every=4)
 
 
 @pytest.mark.parametrize("num_slots", [1, 3])
@@ -102,11 +101,7 @@ def test_slot_counts_match_unwrapped(num_slots: int) -> None:
     ref_params, params = make_params(shapes), make_params(shapes)
     ref = make(_groups(ref_params))
     opt = ChunkedOffloadOptimizer(make(_groups(params)), chunk_size_mb=0.004, num_slots=num_slots)
-    run_steps(ref, ref_params, 20, none_every=3)
-    run_steps(opt, params, 20, none_every=3)
-    for a, b in zip(ref_params, params, strict=True):
-        assert_equal(a, b)
-    assert_states_equal(ref, ref_params, opt, params)
+    assert_runs_match(ref, ref_params, opt, params, 20, none_every=3)
 
 
 def test_state_between_steps_is_host_views_of_the_arena() -> None:

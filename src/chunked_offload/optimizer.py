@@ -15,7 +15,7 @@ from .adapters import Adapter, GroupCounters, resolve_adapter, spec_of
 from .host_arena import HostArena, typed_view
 from .masters import MasterMode, decode_remainder, encode_remainder, master_specs, needs_master
 from .planner import Bundle, Chunk, ChunkPlan, Role, TensorSpec, plan_chunks
-from .staging import StagingPool
+from .staging import Slot, StagingPool
 from .stepping import MASTER, REMAINDER, TIE_BITS, ChunkStepper, ParamInfo, Views
 from .transfer import TransferEngine
 
@@ -309,7 +309,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
             engine.write_back(slot, [(arena.region(chunk.host_offset, n), buffer[:n])] if n else [])
         engine.end_step(pool.slots)
 
-    def _step_fresh(self, chunk: Chunk, slot: Any, counters: GroupCounters) -> None:
+    def _step_fresh(self, chunk: Chunk, slot: Slot, counters: GroupCounters) -> None:
         """First step of a chunk: the inner optimizer creates its state on the device; D2H reads it directly."""
         engine, arena = self._engine, cast(HostArena, self._arena)
         engine.reclaim(slot)  # bound: at most num_slots chunks of fresh tensors exist at once

@@ -56,6 +56,7 @@ def load(opt: ChunkedOffloadOptimizer, state_dict: Any) -> None:
         if out is not None:
             state_dict = out
     hparams, entries, saved_groups = _validate(opt, state_dict)
+    saved_ids = [pid for g in saved_groups for pid in g["params"]]
 
     opt._drain()
     inner = opt.inner
@@ -73,7 +74,7 @@ def load(opt: ChunkedOffloadOptimizer, state_dict: Any) -> None:
             if key == MASTER_KEY:
                 continue
             if isinstance(value, torch.Tensor) and not opt.adapter.is_offloaded(key, value):
-                value = _place_scalar(info.param, value, _saved_id(saved_groups, info.index), saved_groups, key)
+                value = _place_scalar(info.param, value, saved_ids[info.index], saved_groups, key)
             values[key] = value
         state = inner.state[info.param]
         state.clear()
@@ -88,11 +89,6 @@ def load(opt: ChunkedOffloadOptimizer, state_dict: Any) -> None:
             opt._write_master(info, master if master is not None else info.param.detach().float())
     for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
         post_hook(opt)
-
-
-def _saved_id(saved_groups: list[Any], index: int) -> Any:
-    ids = [pid for g in saved_groups for pid in g["params"]]
-    return ids[index]
 
 
 def _place_scalar(

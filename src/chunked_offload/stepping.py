@@ -94,6 +94,7 @@ class ChunkStepper:
         self.infos = infos
         self.homes = homes
         self._step = raw_step(inner)
+        self._narrowed: dict[int, list[list[torch.Tensor]]] = {}  # chunk index -> its params, group by group
 
     def run(
         self, chunk: Chunk, views: Views, counters: GroupCounters, *, fresh: bool
@@ -110,7 +111,7 @@ class ChunkStepper:
                     swaps.append(self._enter_master(info, views[info.index]))
             counters.before_chunk()
             with record_function("chunked_offload::step_chunk"):
-                self._narrowed_step(infos)
+                self._narrowed_step(chunk, infos)
             counters.after_chunk(sorted({info.group_index for info in infos}))
             ok = True
         finally:
@@ -158,13 +159,18 @@ class ChunkStepper:
             v = swap.views
             encode_remainder(master, swap.data, v[REMAINDER], v[TIE_BITS], work=v[GRAD32])
 
-    def _narrowed_step(self, infos: Sequence[ParamInfo]) -> None:
+    def _narrowed_step(self, chunk: Chunk, infos: Sequence[ParamInfo]) -> None:
         groups = self.inner.param_groups
+        narrowed = self._narrowed.get(chunk.index)
+        if narrowed is None:
+            narrowed = [[] for _ in groups]
+            for info in infos:
+                narrowed[info.group_index].append(info.param)
+            self._narrowed[chunk.index] = narrowed
         saved = [g["params"] for g in groups]
-        members = {id(info.param) for info in infos}
         try:
-            for g in groups:
-                g["params"] = [p for p in g["params"] if id(p) in members]
+            for g, params in zip(groups, narrowed, strict=True):
+                g["params"] = params
             self._step()
         finally:
             for g, params in zip(groups, saved, strict=True):

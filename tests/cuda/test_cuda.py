@@ -15,6 +15,7 @@ from reference import (
     MATRIX_SHAPES,
     ODD_SHAPES,
     assert_equal,
+    assert_runs_match,
     assert_states_equal,
     make_params,
     run_master_reference,
@@ -37,12 +38,7 @@ def test_fused_adamw_matches_unwrapped_on_gpu(dtype: torch.dtype, chunk_mb: floa
     ref_params, params = make_params(shapes, dtype, "cuda"), make_params(shapes, dtype, "cuda")
     ref = _fused_adamw(ref_params)
     opt = ChunkedOffloadOptimizer(_fused_adamw(params), chunk_size_mb=chunk_mb)
-    run_steps(ref, ref_params, 50, none_every=3)
-    run_steps(opt, params, 50, none_every=3)
-    opt.synchronize()
-    for a, b in zip(ref_params, params, strict=True):
-        assert_equal(a, b)
-    assert_states_equal(ref, ref_params, opt, params)
+    assert_runs_match(ref, ref_params, opt, params, 50, none_every=3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -51,12 +47,7 @@ def test_muon_matches_unwrapped_on_gpu(dtype: torch.dtype) -> None:
     ref_params, params = make_params(shapes, dtype, "cuda"), make_params(shapes, dtype, "cuda")
     ref = torch.optim.Muon(ref_params, lr=1e-2, weight_decay=0.1)
     opt = ChunkedOffloadOptimizer(torch.optim.Muon(params, lr=1e-2, weight_decay=0.1), chunk_size_mb=0.05)
-    run_steps(ref, ref_params, 50, none_every=3)
-    run_steps(opt, params, 50, none_every=3)
-    opt.synchronize()
-    for a, b in zip(ref_params, params, strict=True):
-        assert_equal(a, b)
-    assert_states_equal(ref, ref_params, opt, params)
+    assert_runs_match(ref, ref_params, opt, params, 50, none_every=3)
 
 
 @pytest.mark.parametrize("mode", ["fp32", "remainder"])
@@ -212,11 +203,7 @@ def test_plain_gpu_checkpoint_loads_without_gpu_spike_and_resumes_exactly() -> N
     opt.load_state_dict(sd)
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() <= before + 1 * MiB  # only fused Adam's 0-dim step counters
-    run_steps(ref, ref_params, 5, first_step=5)
-    run_steps(opt, params, 5, first_step=5)
-    for a, b in zip(ref_params, params, strict=True):
-        assert_equal(a, b)
-    assert_states_equal(ref, ref_params, opt, params)
+    assert_runs_match(ref, ref_params, opt, params, 5, first_step=5)
 
 
 def test_host_arena_is_page_locked_and_exact_size() -> None:
