@@ -9,9 +9,21 @@ import torch
 
 from .planner import Role, TensorSpec
 
-__all__ = ["MasterMode", "decode_remainder", "encode_remainder", "master_specs", "needs_master"]
+__all__ = [
+    "GRAD32",
+    "MASTER",
+    "REMAINDER",
+    "TIE_BITS",
+    "MasterMode",
+    "decode_remainder",
+    "encode_remainder",
+    "master_specs",
+    "needs_master",
+]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+# Keys of the wrapper-owned tensors in a bundle; "~" keeps them apart from any inner-optimizer state key.
+MASTER, GRAD32, REMAINDER, TIE_BITS = "~master", "~grad32", "~remainder", "~tie_bits"
 
 
 class MasterMode(enum.Enum):
@@ -45,15 +57,15 @@ def master_specs(param: torch.Tensor, mode: MasterMode) -> list[TensorSpec]:
     shape, stride = tuple(param.shape), tuple(param.stride())
     specs = []
     if mode is MasterMode.FP32:
-        specs.append(TensorSpec("~master", Role.MASTER, shape, stride, torch.float32))
+        specs.append(TensorSpec(MASTER, Role.MASTER, shape, stride, torch.float32))
     else:
         n_tie_bytes = math.ceil(param.numel() / 8)
         specs += [
-            TensorSpec("~remainder", Role.REMAINDER, shape, stride, torch.int16),
-            TensorSpec("~tie_bits", Role.TIE_BITS, (n_tie_bytes,), (1,), torch.uint8),
-            TensorSpec("~master", Role.SCRATCH, shape, stride, torch.float32),
+            TensorSpec(REMAINDER, Role.REMAINDER, shape, stride, torch.int16),
+            TensorSpec(TIE_BITS, Role.TIE_BITS, (n_tie_bytes,), (1,), torch.uint8),
+            TensorSpec(MASTER, Role.SCRATCH, shape, stride, torch.float32),
         ]
-    specs.append(TensorSpec("~grad32", Role.SCRATCH, shape, stride, torch.float32))
+    specs.append(TensorSpec(GRAD32, Role.SCRATCH, shape, stride, torch.float32))
     return specs
 
 

@@ -11,12 +11,13 @@ from typing import Any, cast
 import torch
 
 from . import state_dict as _state_dict
-from .adapters import Adapter, GroupCounters, resolve_adapter, spec_of
-from .host_arena import HostArena, typed_view
-from .masters import MasterMode, decode_remainder, encode_remainder, master_specs, needs_master
-from .planner import Bundle, Chunk, ChunkPlan, Role, TensorSpec, plan_chunks
+from .adapters import Adapter, GroupCounters, resolve_adapter
+from .host_arena import HostArena
+from .layout import Layout, ParamInfo, Views, chunk_views, describe, place, plan_layout, rehome_state, stepped_like
+from .masters import MASTER, REMAINDER, TIE_BITS, MasterMode, decode_remainder, encode_remainder
+from .planner import Chunk, ChunkPlan, Role
 from .staging import Slot, StagingPool
-from .stepping import MASTER, REMAINDER, TIE_BITS, ChunkStepper, ParamInfo, Views
+from .stepping import ChunkStepper
 from .transfer import TransferEngine
 
 __all__ = ["ChunkedOffloadOptimizer"]
@@ -107,11 +108,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         self.num_slots = num_slots
         self._engine = TransferEngine(self.device)
         self._pool = StagingPool(num_slots, self.device)
-        self._plan: ChunkPlan | None = None
-        self._infos: list[ParamInfo] = []
-        self._homes: Views = {}
-        self._arena: HostArena | None = None
-        self._resident_flat: torch.Tensor | None = None
+        self._layout: Layout | None = None
         self._view_cache: dict[tuple[int, int], Views] = {}
         self._offloaded = False
         self._build()
@@ -149,9 +146,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
     @property
     def plan(self) -> ChunkPlan:
         """The chunk plan: chunks, their bytes, and ``window_bound_nbytes``."""
-        if self._plan is None:
-            raise RuntimeError("the chunk plan has not been built")
-        return self._plan
+        return self._require_layout().plan
 
     @property
     def master_weights(self) -> str:
@@ -169,25 +164,8 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         )
 
     # ------------------------------------------------------------------ layout
-    def _bundle_specs(self, p: torch.Tensor, group: dict[str, Any]) -> tuple[TensorSpec, ...]:
-        state = self._inner.state.get(p)
-        if state:
-            specs = [spec_of(k, v) for k, v in state.items() if self._adapter.is_offloaded(k, v)]
-        else:
-            specs = self._adapter.predict_state(self._stepped_like(p), group)
-        return tuple(specs) + tuple(master_specs(p, self._mode))
-
     def _stepped_like(self, p: torch.Tensor) -> torch.Tensor:
-        """A meta tensor like the tensor the inner optimizer steps for ``p``: its master, or ``p`` itself."""
-        dtype = torch.float32 if needs_master(p, self._mode) else p.dtype
-        return torch.empty_strided(tuple(p.shape), tuple(p.stride()), dtype=dtype, device="meta")
-
-    def _describe(self) -> list[ParamInfo]:
-        infos: list[ParamInfo] = []
-        for gi, group in enumerate(self._inner.param_groups):
-            for p in group["params"]:
-                infos.append(ParamInfo(len(infos), p, gi, self._bundle_specs(p, group)))
-        return infos
+        return stepped_like(p, self._mode)
 
     def replan(self) -> None:
         """Re-derive the chunk plan from the current params and state, moving the host copies if it changed.
@@ -199,51 +177,38 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
     def _build(self) -> None:
         self._drain()
         _check_params(self._inner)
-        infos = self._describe()
-        plan = plan_chunks(
-            [Bundle(info.index, info.specs) for info in infos],
+        infos = describe(self._inner, self._adapter, self._mode)
+        plan = plan_layout(
+            infos,
             chunk_bytes=max(1, int(self.chunk_size_mb * _MIB)),
             num_slots=self.num_slots,
             offload_fraction=self.offload_fraction,
         )
-        if plan != self._plan:
-            old_homes = {id(info.param): self._homes[info.index] for info in self._infos}
-            same_host_layout = self._plan is not None and _host_layout(plan) == _host_layout(self._plan)
-            arena = (
-                self._arena
-                if same_host_layout and self._arena is not None
-                else HostArena(plan.host_nbytes, pin=self._pin)
-            )
-            resident_flat = None
-            homes: Views = {}
-            for chunk in plan.chunks:
-                for i in chunk.params:
-                    homes[i] = {
-                        s.key: arena.view(chunk.host_offset + chunk.offsets[(i, s.key)], s)
-                        for s in infos[i].specs
-                        if s.role.moves
-                    }
-            if plan.resident is not None:
-                resident_flat = torch.empty(plan.resident.device_nbytes, dtype=torch.uint8, device=self.device)
-                homes.update(_chunk_views(plan.resident, infos, resident_flat))
-            for info in infos:
-                if info.has_master:
-                    _seed_master(info, homes[info.index], old_homes.get(id(info.param)), self._mode)
+        if self._layout is None or plan != self._layout.plan:
+            self._layout = place(plan, infos, self._layout, pin=self._pin, device=self.device, mode=self._mode)
             self._pool.release()
             self._view_cache.clear()
-            self._arena, self._resident_flat, self._homes, self._plan = arena, resident_flat, homes, plan
             self._offloaded = False
-        self._infos = infos
-        for info in infos:
-            state = self._inner.state.get(info.param)
-            if not state:
-                continue
-            for spec in info.state_specs:
-                value, home = state.get(spec.key), self._homes[info.index][spec.key]
-                if value is not None and value is not home:
-                    home.copy_(value)
-                    state[spec.key] = home
-        self._stepper = ChunkStepper(self._inner, self._adapter, self._mode, infos, self._homes)
+        self._layout.infos = infos
+        rehome_state(self._inner, infos, self._layout.homes)
+        self._stepper = ChunkStepper(self._inner, self._adapter, self._mode, infos, self._layout.homes)
+
+    @property
+    def _infos(self) -> list[ParamInfo]:
+        return self._require_layout().infos
+
+    @property
+    def _homes(self) -> Views:
+        return self._require_layout().homes
+
+    @property
+    def _arena(self) -> HostArena:
+        return self._require_layout().arena
+
+    def _require_layout(self) -> Layout:
+        if self._layout is None:
+            raise RuntimeError("the chunk plan has not been built")
+        return self._layout
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -271,8 +236,6 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         if not active:
             return
         engine, pool, arena = self._engine, self._pool, self._arena
-        if arena is None:
-            raise RuntimeError("the host arena has not been built")
         fresh = [not self._has_state(c) for c in active]
         if not all(fresh):
             pool.allocate(self.plan.slot_nbytes)
@@ -311,7 +274,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
 
     def _step_fresh(self, chunk: Chunk, slot: Slot, counters: GroupCounters) -> None:
         """First step of a chunk: the inner optimizer creates its state on the device; D2H reads it directly."""
-        engine, arena = self._engine, cast(HostArena, self._arena)
+        engine, arena = self._engine, self._arena
         engine.reclaim(slot)  # bound: at most num_slots chunks of fresh tensors exist at once
         wrapper_nbytes = chunk.region_nbytes[1]
         extra = wrapper_nbytes + chunk.region_nbytes[2]
@@ -321,7 +284,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         event = engine.stage_in(slot, h2d, fresh_memory=True)
         engine.wait_staged(slot, event)
         views = (
-            _chunk_views(chunk, self._infos, temp, shift=chunk.state_nbytes, roles=_NON_STATE)
+            chunk_views(chunk, self._infos, temp, shift=chunk.state_nbytes, roles=_NON_STATE)
             if temp is not None
             else {i: {} for i in chunk.params}
         )
@@ -338,7 +301,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         key = (slot_index, chunk.index)
         views = self._view_cache.get(key)
         if views is None:
-            views = self._view_cache[key] = _chunk_views(chunk, self._infos, buffer)
+            views = self._view_cache[key] = chunk_views(chunk, self._infos, buffer)
         return views
 
     def _any_grad(self, chunk: Chunk) -> bool:
@@ -434,14 +397,16 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         self._drain()
         self._pool.release()
         self._view_cache.clear()
-        if self._resident_flat is not None and self._resident_flat.device != torch.device("cpu"):
-            self._rehome_resident(self._resident_flat.to("cpu"))
+        flat = self._require_layout().resident_flat
+        if flat is not None and flat.device != torch.device("cpu"):
+            self._rehome_resident(flat.to("cpu"))
         self._offloaded = True
 
     def reload(self) -> None:
         """Bring back what ``offload()`` freed: the resident state and the staging slots."""
-        if self._resident_flat is not None and self._resident_flat.device != self.device:
-            self._rehome_resident(self._resident_flat.to(self.device))
+        flat = self._require_layout().resident_flat
+        if flat is not None and flat.device != self.device:
+            self._rehome_resident(flat.to(self.device))
         if self.plan.chunks and any(self._has_state(c) for c in self.plan.chunks):
             self._pool.allocate(self.plan.slot_nbytes)
         self._offloaded = False
@@ -450,7 +415,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         resident = self.plan.resident
         if resident is None:
             return
-        new_homes = _chunk_views(resident, self._infos, flat)
+        new_homes = chunk_views(resident, self._infos, flat)
         for i, views in new_homes.items():
             state = self._inner.state.get(self._infos[i].param)
             if state:
@@ -459,7 +424,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
                         state[key] = view
             self._homes[i].clear()
             self._homes[i].update(views)
-        self._resident_flat = flat
+        self._require_layout().resident_flat = flat
 
     # ------------------------------------------------------------------ masters
     def master_params(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -498,46 +463,6 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
 
 
 _NON_STATE = (Role.MASTER, Role.REMAINDER, Role.TIE_BITS, Role.SCRATCH)
-
-
-def _host_layout(plan: ChunkPlan) -> list[tuple[int, str, int]]:
-    """Where every moving tensor sits in the host arena: equal layouts can share one arena (no re-pinning)."""
-    specs = {b.index: b.specs for b in plan.bundles}
-    return [
-        (i, s.key, c.host_offset + c.offsets[(i, s.key)])
-        for c in plan.chunks
-        for i in c.params
-        for s in specs[i]
-        if s.role.moves
-    ]
-
-
-def _chunk_views(
-    chunk: Chunk, infos: list[ParamInfo], flat: torch.Tensor, shift: int = 0, roles: tuple[Role, ...] | None = None
-) -> Views:
-    """Typed views of every tensor of ``chunk`` in ``flat`` (which starts at chunk byte ``shift``)."""
-    return {
-        i: {
-            s.key: typed_view(flat, chunk.offsets[(i, s.key)] - shift, s)
-            for s in infos[i].specs
-            if roles is None or s.role in roles
-        }
-        for i in chunk.params
-    }
-
-
-def _seed_master(
-    info: ParamInfo, home: dict[str, torch.Tensor], old: dict[str, torch.Tensor] | None, mode: MasterMode
-) -> None:
-    """Fill a param's master in a fresh layout: from its previous home, or from the param (exact upcast)."""
-    keys = [MASTER] if mode is MasterMode.FP32 else [REMAINDER, TIE_BITS]
-    for key in keys:
-        if old is not None and key in old:
-            home[key].copy_(old[key])
-        elif key == MASTER:
-            home[key].copy_(info.param.detach().to(home[key].device))
-        else:
-            home[key].zero_()  # the master equals the param exactly: remainder 0, no ties
 
 
 def _check_inner(inner: object) -> None:

@@ -10,40 +10,11 @@ import torch
 from torch.autograd.profiler import record_function
 
 from .adapters import Adapter, GroupCounters
-from .masters import MasterMode, decode_remainder, encode_remainder
-from .planner import Chunk, Role, TensorSpec
+from .layout import ParamInfo, Views
+from .masters import GRAD32, MASTER, REMAINDER, TIE_BITS, MasterMode, decode_remainder, encode_remainder
+from .planner import Chunk, TensorSpec
 
-__all__ = ["ChunkStepper", "ParamInfo", "Views"]
-
-# Per parameter index: spec key -> tensor. Device views while a chunk runs, host views ("homes") between steps.
-Views = dict[int, dict[str, torch.Tensor]]
-
-MASTER, GRAD32, REMAINDER, TIE_BITS = "~master", "~grad32", "~remainder", "~tie_bits"
-
-
-@dataclass(frozen=True)
-class ParamInfo:
-    """A parameter and what the wrapper knows about it.
-
-    Attributes:
-        index: position in ``param_groups`` order.
-        param: the parameter.
-        group_index: the param group it belongs to.
-        specs: its bundle's tensors.
-    """
-
-    index: int
-    param: torch.Tensor
-    group_index: int
-    specs: tuple[TensorSpec, ...]
-
-    @property
-    def state_specs(self) -> tuple[TensorSpec, ...]:
-        return tuple(s for s in self.specs if s.role is Role.STATE)
-
-    @property
-    def has_master(self) -> bool:
-        return any(s.key == MASTER for s in self.specs)
+__all__ = ["ChunkStepper", "raw_step"]
 
 
 @dataclass
