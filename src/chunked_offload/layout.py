@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from functools import cached_property
 
 import torch
 
@@ -34,11 +34,11 @@ class ParamInfo:
     group_index: int
     specs: tuple[TensorSpec, ...]
 
-    @property
+    @cached_property  # read per param per chunk on every step; specs never change
     def state_specs(self) -> tuple[TensorSpec, ...]:
         return tuple(s for s in self.specs if s.role is Role.STATE)
 
-    @property
+    @cached_property
     def has_master(self) -> bool:
         return any(s.key == MASTER for s in self.specs)
 
@@ -83,8 +83,10 @@ def describe(inner: torch.optim.Optimizer, adapter: Adapter, mode: MasterMode) -
     return infos
 
 
-def plan_layout(infos: list[ParamInfo], **kwargs: Any) -> ChunkPlan:
-    return plan_chunks([Bundle(info.index, info.specs) for info in infos], **kwargs)
+def plan_layout(infos: list[ParamInfo], *, chunk_bytes: int, num_slots: int, offload_fraction: float) -> ChunkPlan:
+    """The chunk plan of every parameter's bundle."""
+    bundles = [Bundle(info.index, info.specs) for info in infos]
+    return plan_chunks(bundles, chunk_bytes=chunk_bytes, num_slots=num_slots, offload_fraction=offload_fraction)
 
 
 def place(
