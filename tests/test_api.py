@@ -43,7 +43,7 @@ def test_step_hooks_run_once_per_step_and_closure_is_evaluated() -> None:
         return torch.tensor(3.0)
 
     assert opt.step(closure).item() == 3.0
-    assert calls == {"pre": 1, "post": 1, "inner": 0}  # the inner's own hooks do not fire once per chunk
+    assert calls == {"pre": 1, "post": 1, "inner": 1}  # the inner's own hooks fire once per step, not per chunk
 
 
 def test_zero_grad_and_add_param_group_act_on_the_inner() -> None:
@@ -173,7 +173,7 @@ def test_lamb_like_names_are_refused() -> None:
 def test_sparse_gradients_are_rejected_at_step() -> None:
     opt, params = _opt()
     params[1].grad = torch.randn(params[1].shape).to_sparse()
-    with pytest.raises(RuntimeError, match=r"param 1 \(shape \(101,\)\) has a sparse gradient"):
+    with pytest.raises(RuntimeError, match=r"param 1 \(shape \(101,\).*\) has a torch.sparse_coo gradient"):
         opt.step()
 
 
@@ -184,11 +184,20 @@ def test_params_on_two_devices_are_rejected() -> None:
         ChunkedOffloadOptimizer(torch.optim.AdamW(params))
 
 
-def test_editing_param_groups_by_hand_is_detected() -> None:
-    opt, params = _opt()
-    opt.param_groups[0]["params"].append(torch.nn.Parameter(torch.zeros(3)))
-    with pytest.raises(RuntimeError, match="param_groups changed since the chunk plan was built"):
-        opt.step()
+def test_editing_param_groups_by_hand_matches_unwrapped() -> None:
+    ref_params, params = make_params(ODD_SHAPES), make_params(ODD_SHAPES)
+    extra_ref, extra = make_params([(4, 6)], seed=3), make_params([(4, 6)], seed=3)
+    ref = torch.optim.AdamW(ref_params, lr=1e-2)
+    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(params, lr=1e-2), chunk_size_mb=0.004)
+    run_steps(ref, ref_params, 2)
+    run_steps(opt, params, 2)
+    for o, e in ((ref, extra_ref), (opt, extra)):  # as plain torch carries on, so does the wrapper (it re-plans)
+        o.param_groups[0]["params"].append(e[0])
+    run_steps(ref, ref_params + extra_ref, 3, first_step=2)
+    run_steps(opt, params + extra, 3, first_step=2)
+    for a, b in zip(ref_params + extra_ref, params + extra, strict=True):
+        assert_equal(a, b)
+    assert_states_equal(ref, ref_params + extra_ref, opt, params + extra)
 
 
 def test_unknown_optimizers_use_the_probing_adapter_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
@@ -221,15 +230,15 @@ def test_adapter_for_another_optimizer_is_rejected() -> None:
         ChunkedOffloadOptimizer(torch.optim.Adam(params), adapter=KeyedAdapter(other, lambda g: [], "x"))
 
 
-def test_hyperparameter_that_adds_state_needs_replan() -> None:
-    opt, params = _opt()
-    run_steps(opt, params, 1)
-    for g in opt.param_groups:
-        g["amsgrad"] = True
-    opt.inner.state.clear()  # a fresh start with amsgrad: state gains max_exp_avg_sq
-    with pytest.raises(RuntimeError, match=r"call opt.replan\(\)"):
-        run_steps(opt, params, 1)
-    opt.inner.state.clear()
-    opt.replan()
-    run_steps(opt, params, 1)
+def test_amsgrad_switched_on_for_fresh_state_is_planned_automatically() -> None:
+    ref_params, params = make_params(ODD_SHAPES), make_params(ODD_SHAPES)
+    ref = torch.optim.AdamW(ref_params, lr=1e-2)
+    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(params, lr=1e-2), chunk_size_mb=0.004)
+    for o, ps in ((ref, ref_params), (opt, params)):
+        run_steps(o, ps, 1)
+        for g in o.param_groups:
+            g["amsgrad"] = True
+        o.state.clear()  # a fresh start with amsgrad: state gains max_exp_avg_sq
+        run_steps(o, ps, 3, first_step=1)
     assert "max_exp_avg_sq" in opt.state[params[0]]
+    assert_states_equal(ref, ref_params, opt, params)

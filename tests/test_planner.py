@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chunked_offload import Bundle, Role, TensorSpec, plan_chunks
+from chunked_offload import Bundle, Home, Role, TensorSpec, plan_chunks
 from chunked_offload.planner import ALIGNMENT
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int16, torch.uint8]
@@ -33,45 +33,47 @@ def bundles(draw: st.DrawFn) -> list[Bundle]:
 def test_plan_invariants(bs: list[Bundle], chunk_bytes: int, num_slots: int, fraction: float) -> None:
     plan = plan_chunks(bs, chunk_bytes=chunk_bytes, num_slots=num_slots, offload_fraction=fraction)
 
-    # Order kept and every bundle placed exactly once: offloaded prefix in chunks, then the resident rest.
-    placed = [i for c in plan.chunks for i in c.params] + (list(plan.resident.params) if plan.resident else [])
+    # Order kept and every bundle placed exactly once: offloaded chunks (a prefix), then resident chunks.
+    placed = [i for c in plan.all_chunks for i in c.params]
     assert placed == [b.index for b in bs]
-    offloaded = [i for c in plan.chunks for i in c.params]
-    assert offloaded == [b.index for b in bs][: len(offloaded)]
+    assert all(c.home is Home.HOST for c in plan.chunks)
+    assert all(c.home is Home.DEVICE for c in plan.resident_chunks)
+    assert [c.index for c in plan.all_chunks] == list(range(len(plan.all_chunks)))
     if fraction == 1.0:
-        assert plan.resident is None
+        assert not plan.resident_chunks
 
     by_index = {b.index: b for b in bs}
-    for c in plan.chunks:
+    for c in plan.all_chunks:
         assert c.params, "no empty chunks"
         # Bound: a chunk exceeds the budget only when it is one bundle larger than the budget.
         assert c.device_nbytes <= chunk_bytes or len(c.params) == 1
         assert c.device_nbytes == sum(by_index[i].device_nbytes for i in c.params)
         assert c.device_nbytes <= max(chunk_bytes, plan.largest_bundle_nbytes)
-    assert plan.slot_nbytes * num_slots <= plan.window_bound_nbytes or not plan.chunks
+    assert plan.slot_nbytes * num_slots <= plan.window_bound_nbytes or not bs
 
-    # Coverage: the moving bytes of all chunks tile [0, host_nbytes) with no overlap; offsets are aligned.
-    spans = []
-    for c in plan.chunks:
-        for i in c.params:
-            for s in by_index[i].specs:
-                off = c.offsets[(i, s.key)]
-                assert off % ALIGNMENT == 0
-                if s.role.moves:
-                    assert off + s.padded_nbytes <= c.transfer_nbytes
-                    spans.append((c.host_offset + off, c.host_offset + off + s.padded_nbytes))
-                else:
-                    assert c.transfer_nbytes <= off < c.device_nbytes or s.nbytes == 0
-    spans.sort()
-    cursor = 0
-    for lo, hi in spans:
-        assert lo == cursor, "moving bytes must tile the arena exactly"
-        cursor = hi
-    assert cursor == plan.host_nbytes
+    # Coverage: the moving bytes of each home's chunks tile [0, home bytes) with no overlap; offsets are aligned.
+    for chunks, total in ((plan.chunks, plan.host_nbytes), (plan.resident_chunks, plan.resident_nbytes)):
+        spans = []
+        for c in chunks:
+            for i in c.params:
+                for s in by_index[i].specs:
+                    off = c.offsets[(i, s.key)]
+                    assert off % ALIGNMENT == 0
+                    if s.role.moves:
+                        assert off + s.padded_nbytes <= c.transfer_nbytes
+                        spans.append((c.home_offset + off, c.home_offset + off + s.padded_nbytes))
+                    else:
+                        assert c.transfer_nbytes <= off < c.device_nbytes or s.nbytes == 0
+        spans.sort()
+        cursor = 0
+        for lo, hi in spans:
+            assert lo == cursor, "moving bytes must tile their home exactly"
+            cursor = hi
+        assert cursor == total
 
     # Deterministic: the same inputs give the same plan.
     again = plan_chunks(bs, chunk_bytes=chunk_bytes, num_slots=num_slots, offload_fraction=fraction)
-    assert again == plan and [c.offsets for c in again.chunks] == [c.offsets for c in plan.chunks]
+    assert again == plan and [c.offsets for c in again.all_chunks] == [c.offsets for c in plan.all_chunks]
 
 
 def _bundle(index: int, nbytes: int) -> Bundle:
@@ -88,7 +90,7 @@ def test_small_bundles_share_a_chunk() -> None:
     plan = plan_chunks([_bundle(i, 1024) for i in range(10)], chunk_bytes=4096, num_slots=2)
     assert [c.params for c in plan.chunks] == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9)]
     assert plan.window_bound_nbytes == 2 * 4096
-    assert "3 chunks" in plan.summary()
+    assert "3 offloaded chunks" in plan.summary()
 
 
 def test_a_large_budget_still_keeps_the_pipeline_deep() -> None:
@@ -107,7 +109,8 @@ def test_a_large_budget_still_keeps_the_pipeline_deep() -> None:
 def test_offload_fraction_keeps_the_tail_resident() -> None:
     plan = plan_chunks([_bundle(i, 1024) for i in range(10)], chunk_bytes=4096, offload_fraction=0.5)
     assert [i for c in plan.chunks for i in c.params] == [0, 1, 2, 3, 4]
-    assert plan.resident is not None and plan.resident.params == (5, 6, 7, 8, 9)
+    assert [c.params for c in plan.resident_chunks] == [(5, 6, 7, 8), (9,)]
+    assert plan.resident_nbytes == 5 * 1024 and plan.host_nbytes == 5 * 1024
 
 
 @pytest.mark.parametrize(

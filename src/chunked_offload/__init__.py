@@ -2,9 +2,10 @@
 
 from .adapters import Adapter, GenericAdapter, KeyedAdapter
 from .host_arena import HostArena
+from .layout import IncompatibleStateError
 from .masters import MasterMode
 from .optimizer import ChunkedOffloadOptimizer
-from .planner import Bundle, Chunk, ChunkPlan, Role, TensorSpec, plan_chunks
+from .planner import Bundle, Chunk, ChunkPlan, Home, Role, TensorSpec, plan_chunks
 from .state_dict import MASTER_KEY
 
 __version__ = "0.1.0"
@@ -17,7 +18,9 @@ __all__ = [
     "ChunkPlan",
     "ChunkedOffloadOptimizer",
     "GenericAdapter",
+    "Home",
     "HostArena",
+    "IncompatibleStateError",
     "KeyedAdapter",
     "MasterMode",
     "Role",

@@ -99,6 +99,7 @@ class HostArena:
         raw = torch.empty(nbytes + slack, dtype=torch.uint8)
         start = (-raw.data_ptr()) % _ALIGN if self.pinned else 0
         self._buffer = raw[start : start + nbytes]
+        self._storage, self._start = raw.untyped_storage(), start
         if self.pinned:
             self._buffer.zero_()  # fault the pages in on all intra-op threads before registering
             ptr = self._buffer.data_ptr()
@@ -116,8 +117,16 @@ class HostArena:
         return self._buffer[offset : offset + nbytes]
 
     def view(self, offset: int, spec: TensorSpec) -> torch.Tensor:
-        """A tensor view with ``spec``'s shape, strides and dtype at byte ``offset``."""
-        return typed_view(self._buffer, offset, spec)
+        """A tensor with ``spec``'s shape, strides and dtype at byte ``offset``, on a storage of its own.
+
+        The storage covers exactly the tensor's bytes (and keeps the arena alive), so ``torch.save`` of a state dict
+        writes the state and nothing else of the arena: no remainders, tie bits or other params' bytes.
+        """
+        if spec.numel == 0:
+            return torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype)
+        begin = self._start + offset
+        own = torch.empty(0, dtype=torch.uint8).set_(self._storage[begin : begin + spec.nbytes])
+        return own.view(spec.dtype).as_strided(spec.shape, spec.stride)
 
     def close(self) -> None:
         """Unregister the memory now; views stay valid as ordinary pageable memory."""

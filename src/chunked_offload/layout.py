@@ -2,20 +2,54 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import torch
 
 from .adapters import Adapter, spec_of
 from .host_arena import HostArena, typed_view
-from .masters import MASTER, REMAINDER, TIE_BITS, MasterMode, master_specs, needs_master
-from .planner import Bundle, Chunk, ChunkPlan, Role, TensorSpec, plan_chunks
+from .masters import MASTER, REMAINDER, TIE_BITS, MasterMode, dense_spec, master_specs, needs_master
+from .planner import Bundle, Chunk, ChunkPlan, Home, Role, TensorSpec, plan_chunks
+from .state_table import bind
 
-__all__ = ["Layout", "ParamInfo", "Views", "chunk_views", "describe", "place", "rehome_state", "stepped_like"]
+__all__ = [
+    "BACKUP",
+    "IncompatibleStateError",
+    "Layout",
+    "ParamInfo",
+    "Views",
+    "chunk_views",
+    "describe",
+    "place",
+    "plan_layout",
+    "rehome_state",
+    "signature",
+    "stale_reason",
+    "stepped_like",
+]
 
-# Per parameter index: spec key -> tensor. Device views while a chunk runs, host views ("homes") between steps.
+# Per parameter index: spec key -> tensor. Device views while a chunk runs, home views between steps.
 Views = dict[int, dict[str, torch.Tensor]]
+
+# The param's own bytes, copied into the slot before its step so that a failed chunk can be rolled back.
+BACKUP = "~backup"
+
+Signature = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
+
+
+class IncompatibleStateError(RuntimeError, KeyError):
+    """Existing state that the inner optimizer cannot step (plain torch fails on it too, often with a KeyError)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def signature(p: torch.Tensor) -> Signature:
+    """What the plan assumed about a param: shape, strides, dtype and device."""
+    return (tuple(p.shape), tuple(p.stride()), p.dtype, p.device)
 
 
 @dataclass(frozen=True)
@@ -27,16 +61,22 @@ class ParamInfo:
         param: the parameter.
         group_index: the param group it belongs to.
         specs: its bundle's tensors.
+        signature: the param's shape, strides, dtype and device when it was planned.
     """
 
     index: int
     param: torch.Tensor
     group_index: int
     specs: tuple[TensorSpec, ...]
+    signature: Signature
 
     @cached_property  # read per param per chunk on every step; specs never change
     def state_specs(self) -> tuple[TensorSpec, ...]:
         return tuple(s for s in self.specs if s.role is Role.STATE)
+
+    @cached_property
+    def state_keys(self) -> frozenset[str]:
+        return frozenset(s.key for s in self.state_specs)
 
     @cached_property
     def has_master(self) -> bool:
@@ -50,10 +90,11 @@ class Layout:
     Attributes:
         plan: the chunk plan.
         infos: every parameter, by index.
-        homes: host views (offloaded params) or device views (resident params) of every bundle tensor; scratch
-            tensors have homes only for resident params.
+        homes: the home of every moving bundle tensor: a host view (offloaded chunks) or a device view (resident
+            chunks).
         arena: the host arena holding the offloaded chunks.
-        resident_flat: device memory of the resident chunk, or None.
+        resident_flat: the memory of the resident chunks (on the device, or on the host after ``offload()``).
+        group_signatures: the adapter's layout signature of each param group when this layout was planned.
     """
 
     plan: ChunkPlan
@@ -61,26 +102,77 @@ class Layout:
     homes: Views
     arena: HostArena
     resident_flat: torch.Tensor | None
+    group_signatures: list[Hashable]
 
 
 def stepped_like(p: torch.Tensor, mode: MasterMode) -> torch.Tensor:
     """A meta tensor like the tensor the inner optimizer steps for ``p``: its fp32 master, or ``p`` itself."""
-    dtype = torch.float32 if needs_master(p, mode) else p.dtype
-    return torch.empty_strided(tuple(p.shape), tuple(p.stride()), dtype=dtype, device="meta")
+    if needs_master(p, mode):
+        spec = dense_spec(MASTER, Role.MASTER, p, torch.float32)
+        return torch.empty_strided(spec.shape, spec.stride, dtype=torch.float32, device="meta")
+    return torch.empty_strided(tuple(p.shape), tuple(p.stride()), dtype=p.dtype, device="meta")
 
 
-def describe(inner: torch.optim.Optimizer, adapter: Adapter, mode: MasterMode) -> list[ParamInfo]:
-    """Every parameter's bundle: its existing state (or the adapter's prediction), plus its master tensors."""
+def describe(
+    groups: Sequence[Mapping[str, Any]],
+    state_of: Callable[[torch.Tensor], Mapping[str, Any] | None],
+    adapter: Adapter,
+    mode: MasterMode,
+) -> list[ParamInfo]:
+    """Every parameter's bundle: its state, its master tensors and its backup, checked against the inner optimizer.
+
+    A param with state keeps its existing state (plus lazily created keys it lacks); one without gets the adapter's
+    prediction for its group's hyperparameters.
+
+    Raises:
+        IncompatibleStateError: for a strict adapter, a param's state lacks a key the inner optimizer requires, or a
+            state tensor has another shape or dtype than the inner optimizer would create. Nothing is modified.
+    """
     infos: list[ParamInfo] = []
-    for gi, group in enumerate(inner.param_groups):
+    for gi, group in enumerate(groups):
         for p in group["params"]:
-            state = inner.state.get(p)
-            if state:
-                specs = [spec_of(k, v) for k, v in state.items() if adapter.is_offloaded(k, v)]
+            index = len(infos)
+            predicted = adapter.predict_state(stepped_like(p, mode), dict(group))
+            entry = state_of(p)
+            if entry:
+                existing = [spec_of(k, v) for k, v in entry.items() if adapter.is_offloaded(k, v)]
+                if adapter.strict:
+                    _check_existing(index, p, entry, predicted, adapter.lazy_keys(dict(group)), adapter)
+                keys = {s.key for s in existing}
+                specs = existing + [s for s in predicted if s.key not in keys]
             else:
-                specs = adapter.predict_state(stepped_like(p, mode), group)
-            infos.append(ParamInfo(len(infos), p, gi, tuple(specs) + tuple(master_specs(p, mode))))
+                specs = predicted
+            own = master_specs(p, mode) + [dense_spec(BACKUP, Role.SCRATCH, p, p.dtype)]
+            infos.append(ParamInfo(index, p, gi, tuple(specs) + tuple(own), signature(p)))
     return infos
+
+
+def _check_existing(
+    index: int,
+    p: torch.Tensor,
+    entry: Mapping[str, Any],
+    predicted: list[TensorSpec],
+    lazy: frozenset[str],
+    adapter: Adapter,
+) -> None:
+    where = f"param {index} (shape {tuple(p.shape)}, dtype {p.dtype})"
+    missing = sorted(s.key for s in predicted if s.key not in entry and s.key not in lazy)
+    if missing:
+        raise IncompatibleStateError(
+            f"{where} has state {sorted(map(str, entry))} without {missing}, which {type(adapter.inner).__name__} "
+            "needs with its current hyperparameters (for example amsgrad, momentum or centered switched on after "
+            "the first step); plain torch raises KeyError here. Switch the hyperparameter back, or clear this "
+            "param's state (opt.state[p].clear()) to start it afresh"
+        )
+    for s in predicted:
+        value = entry.get(s.key)
+        if isinstance(value, torch.Tensor) and (tuple(value.shape) != s.shape or value.dtype != s.dtype):
+            raise IncompatibleStateError(
+                f"{where} has state {s.key!r} of shape {tuple(value.shape)} and dtype {value.dtype}, but "
+                f"{type(adapter.inner).__name__} steps it as shape {s.shape} and dtype {s.dtype} (the param was "
+                "resized or converted after its state was created?); plain torch fails on this too. Convert the "
+                "state to match, or clear this param's state (opt.state[p].clear())"
+            )
 
 
 def plan_layout(infos: list[ParamInfo], *, chunk_bytes: int, num_slots: int, offload_fraction: float) -> ChunkPlan:
@@ -93,6 +185,7 @@ def place(
     plan: ChunkPlan,
     infos: list[ParamInfo],
     previous: Layout | None,
+    group_signatures: list[Hashable],
     *,
     pin: bool,
     device: torch.device,
@@ -101,63 +194,116 @@ def place(
     """Allocate host and resident memory for ``plan`` and carry wrapper-owned masters over from ``previous``.
 
     The previous arena is reused when every moving tensor keeps its host offset (no re-pinning, for example after
-    a chunk-size change without masters). Inner-optimizer state is moved by :func:`rehome_state`.
+    a chunk-size change without masters). Inner-optimizer state is moved by :func:`rehome_state`. Nothing is
+    modified if an allocation fails.
     """
     if previous is not None and _host_layout(plan) == _host_layout(previous.plan):
         arena = previous.arena
     else:
         arena = HostArena(plan.host_nbytes, pin=pin)
-    homes: Views = {}
-    for chunk in plan.chunks:
-        for i in chunk.params:
-            homes[i] = {
-                s.key: arena.view(chunk.host_offset + chunk.offsets[(i, s.key)], s)
-                for s in infos[i].specs
-                if s.role.moves
-            }
     resident_flat = None
-    if plan.resident is not None:
-        resident_flat = torch.empty(plan.resident.device_nbytes, dtype=torch.uint8, device=device)
-        homes.update(chunk_views(plan.resident, infos, resident_flat))
+    if plan.resident_chunks:
+        resident_flat = torch.empty(plan.resident_nbytes, dtype=torch.uint8, device=device)
+    homes: Views = {}
+    for chunk in plan.all_chunks:
+        for i in chunk.params:
+            homes[i] = {}
+            for s in infos[i].specs:
+                if not s.role.moves:
+                    continue
+                offset = chunk.home_offset + chunk.offsets[(i, s.key)]
+                if chunk.home is Home.HOST:
+                    homes[i][s.key] = arena.view(offset, s)
+                else:
+                    homes[i][s.key] = typed_view(resident_flat, offset, s)  # type: ignore[arg-type]
     old_homes = {} if previous is None else {id(info.param): previous.homes[info.index] for info in previous.infos}
     for info in infos:
         if info.has_master:
             _seed_master(info, homes[info.index], old_homes.get(id(info.param)), mode)
-    return Layout(plan, infos, homes, arena, resident_flat)
+    return Layout(plan, infos, homes, arena, resident_flat, group_signatures)
 
 
-def rehome_state(inner: torch.optim.Optimizer, infos: list[ParamInfo], homes: Views) -> None:
+def rehome_state(state: Mapping[torch.Tensor, Any], infos: list[ParamInfo], homes: Views) -> None:
     """Copy every offloadable state tensor that is not in its home yet into it, and bind the home in its place."""
     for info in infos:
-        state = inner.state.get(info.param)
-        if not state:
+        entry = state.get(info.param)
+        if not entry:
             continue
         for spec in info.state_specs:
-            value, home = state.get(spec.key), homes[info.index][spec.key]
+            value, home = entry.get(spec.key), homes[info.index][spec.key]
             if value is not None and value is not home:
                 home.copy_(value)
-                state[spec.key] = home
+                bind(entry, spec.key, home)
+
+
+def stale_reason(
+    layout: Layout,
+    groups: Sequence[Mapping[str, Any]],
+    state: Mapping[torch.Tensor, Any],
+    adapter: Adapter,
+) -> str | None:
+    """Why ``layout`` no longer fits the inner optimizer, or None: the per-step check, before anything is modified.
+
+    The layout is stale when the params changed (added, removed, reordered, resized, converted), a state tensor is
+    not its home (assigned by hand, or a state container swapped in), or the hyperparameters now predict other
+    state for params that have none yet.
+    """
+    infos, homes = layout.infos, layout.homes
+    position = 0
+    for gi, group in enumerate(groups):
+        params = group["params"]
+        if gi >= len(layout.group_signatures) or adapter.layout_signature(dict(group)) != layout.group_signatures[gi]:
+            return f"param group {gi} was added, or its hyperparameters now create other state"
+        for p in params:
+            if position >= len(infos) or infos[position].param is not p:
+                return "param_groups changed"
+            info = infos[position]
+            position += 1
+            if signature(p) != info.signature:
+                return f"param {info.index} changed its shape, strides, dtype or device"
+            entry = state.get(p)
+            if not entry:
+                continue
+            home = homes[info.index]
+            for k, v in entry.items():
+                if adapter.is_offloaded(k, v) and home.get(k) is not v:
+                    return f"state {k!r} of param {info.index} was replaced"
+    if position != len(infos):
+        return "param_groups changed"
+    return None
 
 
 def chunk_views(
     chunk: Chunk, infos: list[ParamInfo], flat: torch.Tensor, shift: int = 0, roles: tuple[Role, ...] | None = None
 ) -> Views:
-    """Typed views of every tensor of ``chunk`` in ``flat`` (which starts at chunk byte ``shift``)."""
-    return {
-        i: {
-            s.key: typed_view(flat, chunk.offsets[(i, s.key)] - shift, s)
-            for s in infos[i].specs
-            if roles is None or s.role in roles
-        }
-        for i in chunk.params
-    }
+    """Typed views of every tensor of ``chunk`` in ``flat`` (which starts at chunk byte ``shift``).
+
+    ``flat`` is a uint8 buffer whose size is a multiple of the planner's alignment; one reinterpretation per dtype
+    serves all of its tensors, so a view costs one ``as_strided``.
+    """
+    by_dtype: dict[torch.dtype, torch.Tensor] = {}
+    views: Views = {}
+    for i in chunk.params:
+        views[i] = {}
+        for s in infos[i].specs:
+            if roles is not None and s.role not in roles:
+                continue
+            offset = chunk.offsets[(i, s.key)] - shift
+            if s.numel == 0 or flat.numel() % s.dtype.itemsize:
+                views[i][s.key] = typed_view(flat, offset, s)
+                continue
+            base = by_dtype.get(s.dtype)
+            if base is None:
+                base = by_dtype[s.dtype] = flat.view(s.dtype)
+            views[i][s.key] = base.as_strided(s.shape, s.stride, base.storage_offset() + offset // s.dtype.itemsize)
+    return views
 
 
 def _host_layout(plan: ChunkPlan) -> list[tuple[int, str, int]]:
     """Where every moving tensor sits in the host arena: equal layouts can share one arena (no re-pinning)."""
     specs = {b.index: b.specs for b in plan.bundles}
     return [
-        (i, s.key, c.host_offset + c.offsets[(i, s.key)])
+        (i, s.key, c.home_offset + c.offsets[(i, s.key)])
         for c in plan.chunks
         for i in c.params
         for s in specs[i]
@@ -174,6 +320,6 @@ def _seed_master(
         if old is not None and key in old:
             home[key].copy_(old[key])
         elif key == MASTER:
-            home[key].copy_(info.param.detach().to(home[key].device))
+            home[key].copy_(info.param.detach())
         else:
             home[key].zero_()  # the master equals the param exactly: remainder 0, no ties

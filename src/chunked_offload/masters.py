@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -16,14 +17,20 @@ __all__ = [
     "TIE_BITS",
     "MasterMode",
     "decode_remainder",
+    "dense_spec",
     "encode_remainder",
     "master_specs",
     "needs_master",
+    "reconcile_master",
 ]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 # Keys of the wrapper-owned tensors in a bundle; "~" keeps them apart from any inner-optimizer state key.
 MASTER, GRAD32, REMAINDER, TIE_BITS = "~master", "~grad32", "~remainder", "~tie_bits"
+
+# Elementwise passes over a master run in pieces of this many elements, so that their temporaries (masks, tie
+# bits) stay a few MiB whatever the param size. A multiple of 8 keeps tie-bit bytes aligned with the pieces.
+_PIECE_ELEMS = 1 << 24
 
 
 class MasterMode(enum.Enum):
@@ -38,6 +45,16 @@ class MasterMode(enum.Enum):
     that adds 65536 back. ``bits(x) = P * 65536 + d`` rebuilds the master exactly: 2.125 bytes per element
     instead of 4. No step overflows int32 (``P * 65536`` and ``bits(x)`` are both representable). NaN masters
     decode to a NaN, not necessarily with the same payload.
+
+    [Note: Edited params]
+    A param may be written between steps (pretrained weights loaded after wrapping, a row zeroed by hand). Both
+    modes then follow one rule, applied elementwise at the start of the param's next step: the master keeps its
+    low 16 bits (its remainder ``d``) and takes its high part from the param, ``bits(x') = P * 65536 + d``; where
+    ``x'`` does not round to ``P`` (a tie), the master becomes ``P`` exactly. For a param that was not edited this
+    changes nothing. Masters are seeded with ``d = 0``, so an edit before the first step gives the master ``P``
+    exactly. The remainder mode can follow no other rule (it stores ``d`` and nothing about the old ``P``), and the
+    fp32 mode follows the same one, so the two stay bitwise identical. fp16 params (fp32 mode only) take ``P``
+    exactly wherever the master no longer rounds to it.
     """
 
     NONE = "none"
@@ -50,28 +67,48 @@ def needs_master(param: torch.Tensor, mode: MasterMode) -> bool:
     return mode is not MasterMode.NONE and param.dtype in LOW_PRECISION
 
 
+def dense_spec(key: str, role: Role, like: torch.Tensor, dtype: torch.dtype) -> TensorSpec:
+    """The spec of ``torch.empty_like(like, dtype=dtype)``: ``like``'s layout where it is dense, else contiguous.
+
+    A param that is a slice with gaps (``nn.Parameter(W[:, :k])``) gets dense state, as ``torch.zeros_like``
+    gives it; planning with the param's own strides would make neighbouring homes overlap.
+    """
+    meta = torch.empty_strided(tuple(like.shape), tuple(like.stride()), dtype=like.dtype, device="meta")
+    out = torch.empty_like(meta, dtype=dtype)
+    return TensorSpec(key, role, tuple(out.shape), tuple(out.stride()), dtype)
+
+
 def master_specs(param: torch.Tensor, mode: MasterMode) -> list[TensorSpec]:
     """The wrapper-owned tensors of ``param``'s bundle: master or remainder, and the fp32 grad scratch."""
     if not needs_master(param, mode):
         return []
-    shape, stride = tuple(param.shape), tuple(param.stride())
     specs = []
     if mode is MasterMode.FP32:
-        specs.append(TensorSpec(MASTER, Role.MASTER, shape, stride, torch.float32))
+        specs.append(dense_spec(MASTER, Role.MASTER, param, torch.float32))
     else:
         n_tie_bytes = math.ceil(param.numel() / 8)
         specs += [
-            TensorSpec(REMAINDER, Role.REMAINDER, shape, stride, torch.int16),
+            dense_spec(REMAINDER, Role.REMAINDER, param, torch.int16),
             TensorSpec(TIE_BITS, Role.TIE_BITS, (n_tie_bytes,), (1,), torch.uint8),
-            TensorSpec(MASTER, Role.SCRATCH, shape, stride, torch.float32),
+            dense_spec(MASTER, Role.SCRATCH, param, torch.float32),
         ]
-    specs.append(TensorSpec(GRAD32, Role.SCRATCH, shape, stride, torch.float32))
+    specs.append(dense_spec(GRAD32, Role.SCRATCH, param, torch.float32))
     return specs
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    # Logical (row-major) order, the same on encode and decode whatever the strides.
-    return t.reshape(-1)
+def _flat_pieces(*tensors: torch.Tensor) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Matching flat pieces of same-shaped tensors in logical (row-major) order.
+
+    Contiguous tensors are cut into views of at most ``_PIECE_ELEMS`` elements; otherwise the whole tensors come
+    as one piece (``reshape`` may copy, so callers write results back through the originals).
+    """
+    n = tensors[0].numel()
+    if all(t.is_contiguous() for t in tensors):
+        flats = [t.view(-1) for t in tensors]
+        for lo in range(0, n, _PIECE_ELEMS):
+            yield tuple(f[lo : lo + _PIECE_ELEMS] for f in flats)
+    else:
+        yield tuple(t.reshape(-1) for t in tensors)
 
 
 def encode_remainder(
@@ -86,29 +123,71 @@ def encode_remainder(
         tie_bits: uint8 output of ``ceil(numel / 8)`` bytes.
         work: fp32 scratch of the same shape (its bytes are overwritten).
     """
-    n = master.numel()
     diff = work.view(torch.int32)
     diff.copy_(param.view(torch.int16))
     diff.mul_(65536)
     torch.sub(master.view(torch.int32), diff, out=diff)
-    ties = torch.zeros(8 * tie_bits.numel(), dtype=torch.bool, device=master.device)
-    torch.eq(_flat(diff), 32768, out=ties[:n])
-    diff.masked_fill_(ties[:n].view(master.shape), -32768)
+    tie_bits.zero_()
+    for lo, (d,) in _offsets(_flat_pieces(diff)):
+        ties = torch.zeros(-(-d.numel() // 8) * 8, dtype=torch.bool, device=d.device)
+        torch.eq(d, 32768, out=ties[: d.numel()])
+        d.masked_fill_(ties[: d.numel()], -32768)
+        grouped = ties.view(torch.uint8).view(-1, 8)
+        out = tie_bits[lo // 8 : lo // 8 + grouped.shape[0]]
+        for k in range(8):
+            out.bitwise_or_(grouped[:, k] << k)
+        if not diff.is_contiguous():
+            diff.copy_(d.view(diff.shape))
     remainder.copy_(diff)
-    grouped = ties.view(torch.uint8).view(-1, 8)
-    tie_bits.copy_(grouped[:, 0])
-    for k in range(1, 8):
-        tie_bits.bitwise_or_(grouped[:, k] << k)
 
 
 def decode_remainder(param: torch.Tensor, remainder: torch.Tensor, tie_bits: torch.Tensor, out: torch.Tensor) -> None:
     """Rebuild the exact fp32 master into ``out`` from ``param``'s bits, the remainder and the tie bits."""
-    n = out.numel()
     bits = out.view(torch.int32)
     bits.copy_(param.view(torch.int16))
     bits.mul_(65536)
     bits.add_(remainder)
-    ties = torch.empty(8 * tie_bits.numel(), dtype=torch.uint8, device=out.device).view(-1, 8)
-    for k in range(8):
-        torch.bitwise_and(tie_bits >> k, 1, out=ties[:, k])
-    bits.add_(ties.view(-1)[:n].view(out.shape), alpha=65536)
+    for lo, (b,) in _offsets(_flat_pieces(bits)):
+        tie_bytes = tie_bits[lo // 8 : lo // 8 + -(-b.numel() // 8)]
+        ties = torch.empty((tie_bytes.numel(), 8), dtype=torch.uint8, device=b.device)
+        for k in range(8):
+            torch.bitwise_and(tie_bytes >> k, 1, out=ties[:, k])
+        b.add_(ties.view(-1)[: b.numel()], alpha=65536)
+        if not bits.is_contiguous():
+            bits.copy_(b.view(bits.shape))
+
+
+def reconcile_master(param: torch.Tensor, master: torch.Tensor, work: torch.Tensor, rounded: torch.Tensor) -> None:
+    """Apply [Note: Edited params] to ``master`` in place: after it, ``master`` rounds to ``param`` everywhere.
+
+    Args:
+        param: the 16-bit param as it is now.
+        master: fp32 master: the stored one (fp32 mode) or the one decoded against ``param`` (remainder mode).
+        work: fp32 scratch shaped like ``master``.
+        rounded: scratch of ``param``'s dtype, shaped like ``param``.
+    """
+    master_bits, delta = master.view(torch.int32), work.view(torch.int32)
+    if param.dtype == torch.bfloat16:
+        # bits(x') = bits(x) - round(x) * 65536 + P * 65536: the master's remainder under the param's high bits;
+        # x itself wherever the param was not edited. Each product and each partial sum fits an int32.
+        rounded.copy_(master)
+        delta.copy_(rounded.view(torch.int16))
+        delta.mul_(65536)
+        master_bits.sub_(delta)
+        delta.copy_(param.view(torch.int16))
+        delta.mul_(65536)
+        master_bits.add_(delta)
+    # Where the master still does not round to the param (a tie; any fp16 edit), it becomes the param exactly.
+    rounded.copy_(master)
+    work.copy_(param)
+    for m, w, r, p in _flat_pieces(master, work, rounded, param):
+        torch.where(r.view(torch.int16) == p.view(torch.int16), m, w, out=m)
+        if not master.is_contiguous():
+            master.copy_(m.view(master.shape))
+
+
+def _offsets(pieces: Iterator[tuple[torch.Tensor, ...]]) -> Iterator[tuple[int, tuple[torch.Tensor, ...]]]:
+    lo = 0
+    for piece in pieces:
+        yield lo, piece
+        lo += piece[0].numel()

@@ -2,27 +2,62 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, cast
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import torch
 
 from . import state_dict as _state_dict
-from .adapters import Adapter, GroupCounters, resolve_adapter
+from .adapters import Adapter, GroupCounters, check_groups, resolve_adapter
 from .host_arena import HostArena
-from .layout import Layout, ParamInfo, Views, chunk_views, describe, place, plan_layout, rehome_state, stepped_like
-from .masters import MASTER, REMAINDER, TIE_BITS, MasterMode, decode_remainder, encode_remainder
-from .planner import Chunk, ChunkPlan, Role
-from .staging import Slot, StagingPool
+from .layout import (
+    IncompatibleStateError,
+    Layout,
+    ParamInfo,
+    Views,
+    chunk_views,
+    describe,
+    place,
+    plan_layout,
+    rehome_state,
+    stale_reason,
+)
+from .masters import (
+    MASTER,
+    REMAINDER,
+    TIE_BITS,
+    MasterMode,
+    decode_remainder,
+    encode_remainder,
+    needs_master,
+    reconcile_master,
+)
+from .planner import Chunk, ChunkPlan
+from .schedule import StepSchedule
+from .staging import StagingPool
+from .state_table import StateBinding, StateTable, bind
 from .stepping import ChunkStepper
 from .transfer import TransferEngine
 
 __all__ = ["ChunkedOffloadOptimizer"]
 
+logger = logging.getLogger(__name__)
+
 _MIB = 2**20
+
+
+@dataclass
+class _Prepared:
+    """A layout built for given groups and state, not installed yet."""
+
+    infos: list[ParamInfo]
+    layout: Layout
+    new_memory: bool
 
 
 class ChunkedOffloadOptimizer(torch.optim.Optimizer):
@@ -41,13 +76,16 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
 
     ``opt.param_groups`` and ``opt.state`` are the inner optimizer's own objects, so LR schedulers, ``zero_grad``
-    and ``add_param_group`` act on the inner optimizer. Register step hooks and schedulers on the wrapper.
+    and ``add_param_group`` act on the inner optimizer. Tensors assigned into ``opt.state`` are copied into the host
+    copies at once. Edits of ``param_groups``, params and hyperparameters are picked up at the next step, which
+    re-plans where plain torch would carry on and refuses, before anything is modified, where it would fail. A
+    ``step()`` that raises leaves the chunks before the failing one committed and the rest untouched.
 
     Args:
         inner: the optimizer instance to wrap (for example ``torch.optim.AdamW(..., fused=True)``).
         chunk_size_mb: staging budget per chunk in MiB; a parameter larger than this forms a chunk of its own.
         offload_fraction: share of the bundle bytes (whole bundles, in parameter order) kept on the host; the rest
-            stays resident on the device and is never moved.
+            stays resident on the device and never crosses the link.
         num_slots: device staging slots; 2 overlaps H2D, compute and D2H; 1 runs them one after another.
         pin_memory: page-lock the host arena; None means "when the params are on a CUDA device".
         master_weights: ``"none"`` steps the params directly; ``"fp32"`` keeps an fp32 master for every bf16/fp16
@@ -83,9 +121,13 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         modes = [m.value for m in MasterMode]
         if master_weights not in modes:
             raise ValueError(f"master_weights must be one of {modes}, got {master_weights!r}")
+        _check_not_wrapped(inner)
+        check_groups(inner)
+        _check_params(inner.param_groups)
         self._mode = MasterMode(master_weights)
         self._inner = inner
         self._adapter = resolve_adapter(inner, adapter)
+        self._adapter.check_config()
         self.device = _common_device(inner)
         _check_master_mode(inner, self._adapter, self._mode)
         if pin_memory and self.device.type != "cuda":
@@ -108,10 +150,18 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         self.num_slots = num_slots
         self._engine = TransferEngine(self.device)
         self._pool = StagingPool(num_slots, self.device)
+        # The engine, not the wrapper: a reference back to the wrapper would keep it (and its arena) alive in a cycle.
+        self._binding = StateBinding(self._engine.synchronize, self._adapter.is_offloaded)
         self._layout: Layout | None = None
-        self._view_cache: dict[tuple[int, int], Views] = {}
         self._offloaded = False
-        self._build()
+        original_state = inner.state
+        try:
+            self._adopt_state()
+            self._install(self._prepare(inner.param_groups, inner.state))
+        except BaseException:
+            inner.state = original_state  # nothing was copied anywhere: the inner is as it was
+            raise
+        logger.info("%s\n%s", self, self.plan.summary())
 
     # ------------------------------------------------------------------ the inner optimizer's objects
     @property
@@ -132,8 +182,9 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         return self._inner.state
 
     @state.setter
-    def state(self, value: defaultdict[torch.Tensor, Any]) -> None:
-        self._inner.state = value
+    def state(self, value: Mapping[torch.Tensor, Any]) -> None:
+        self._inner.state = value  # type: ignore[assignment]
+        self._adopt_state()
 
     @property  # type: ignore[override]
     def defaults(self) -> dict[str, Any]:
@@ -157,41 +208,97 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         return self._adapter
 
     def __repr__(self) -> str:
+        chunks = len(self._layout.plan.chunks) if self._layout is not None else 0
         return (
             f"ChunkedOffloadOptimizer(inner={type(self._inner).__name__}, chunk_size_mb={self.chunk_size_mb}, "
             f"offload_fraction={self.offload_fraction}, num_slots={self.num_slots}, "
-            f"master_weights={self._mode.value!r}, device={self.device}, chunks={len(self.plan.chunks)})"
+            f"master_weights={self._mode.value!r}, device={self.device}, chunks={chunks})"
         )
 
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        raise TypeError(
+            "a ChunkedOffloadOptimizer cannot be pickled, deep-copied or torch.save()d: it owns page-locked host "
+            "memory and CUDA streams. Save opt.state_dict() instead, and rebuild the wrapper around a new inner "
+            "optimizer before opt.load_state_dict(...)"
+        )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
+        self.__reduce_ex__(4)
+
     # ------------------------------------------------------------------ layout
-    def _stepped_like(self, p: torch.Tensor) -> torch.Tensor:
-        return stepped_like(p, self._mode)
+    def _stepped_dtype(self, p: torch.Tensor) -> torch.dtype:
+        return torch.float32 if needs_master(p, self._mode) else p.dtype
 
     def replan(self) -> None:
-        """Re-derive the chunk plan from the current params and state, moving the host copies if it changed.
+        """Re-derive the chunk plan from the current params and state now, moving the host copies if it changed.
 
-        Needed only after changing a hyperparameter that adds state (``amsgrad``, ``momentum``, ``centered``).
+        ``step()`` does this on its own when something changed; call it to pay the cost (and see errors) earlier.
         """
-        self._build()
+        self._sync(force=True)
 
-    def _build(self) -> None:
-        self._drain()
-        _check_params(self._inner)
-        infos = describe(self._inner, self._adapter, self._mode)
+    def _adopt_state(self) -> None:
+        """Make the inner's ``state`` this wrapper's :class:`StateTable` (after a swap by the inner or a user)."""
+        state = self._inner.state
+        if not (isinstance(state, StateTable) and state.binding is self._binding):
+            self._inner.state = StateTable(self._binding, list(state.items()))  # type: ignore[assignment]
+            self._binding.dirty = True
+
+    def _sync(self, *, force: bool = False, strict: bool = True) -> None:
+        """Bring the layout in line with the inner optimizer before anything is modified ([Note: Absorbing writes]).
+
+        With ``strict=False`` (reading a state dict) state the inner optimizer could not step is reported as it is,
+        with the current layout, instead of raising.
+        """
+        self._adopt_state()
+        groups = self._inner.param_groups
+        layout = self._require_layout()
+        reason = "forced" if force else None
+        if self._binding.dirty:
+            reason = "state was assigned that does not fit its home"
+        reason = reason or stale_reason(layout, groups, self._inner.state, self._adapter)
+        if reason is not None:
+            logger.debug("re-planning: %s", reason)
+            check_groups(self._inner)
+            _check_params(groups)
+            try:
+                prepared = self._prepare(groups, self._inner.state)
+            except IncompatibleStateError:
+                if strict:
+                    raise
+                return
+            self._install(prepared)
+
+    def _prepare(self, groups: Sequence[Mapping[str, Any]], state: Mapping[torch.Tensor, Any]) -> _Prepared:
+        """Describe, plan and place a layout for ``groups`` and ``state``; modifies nothing of the optimizer."""
+        infos = describe(groups, state.get, self._adapter, self._mode)
         plan = plan_layout(
             infos,
             chunk_bytes=max(1, int(self.chunk_size_mb * _MIB)),
             num_slots=self.num_slots,
             offload_fraction=self.offload_fraction,
         )
-        if self._layout is None or plan != self._layout.plan:
-            self._layout = place(plan, infos, self._layout, pin=self._pin, device=self.device, mode=self._mode)
-            self._pool.release()
-            self._view_cache.clear()
+        signatures = [self._adapter.layout_signature(dict(g)) for g in groups]
+        old = self._layout
+        same_params = old is not None and [i.param for i in old.infos] == [i.param for i in infos]
+        if old is not None and same_params and plan == old.plan and not self._offloaded:
+            return _Prepared(infos, Layout(plan, infos, old.homes, old.arena, old.resident_flat, signatures), False)
+        self._drain()  # the previous layout's homes are read below; no write-back may still be in flight
+        layout = place(plan, infos, old, signatures, pin=self._pin, device=self.device, mode=self._mode)
+        return _Prepared(infos, layout, True)
+
+    def _install(self, prepared: _Prepared) -> None:
+        """Switch to a prepared layout: move every state tensor into its new home."""
+        self._drain()
+        layout = prepared.layout
+        rehome_state(self._inner.state, prepared.infos, layout.homes)
+        if prepared.new_memory:
             self._offloaded = False
-        self._layout.infos = infos
-        rehome_state(self._inner, infos, self._layout.homes)
-        self._stepper = ChunkStepper(self._inner, self._adapter, self._mode, infos, self._layout.homes)
+        self._layout = layout
+        self._binding.homes = layout.homes
+        self._binding.index_by_id = {id(info.param): info.index for info in prepared.infos}
+        self._binding.dirty = False
+        stepper = ChunkStepper(self._inner, self._adapter, self._mode, layout.infos, layout.homes)
+        self._schedule = StepSchedule(layout, stepper, self._engine, self._pool)
 
     @property
     def _infos(self) -> list[ParamInfo]:
@@ -213,109 +320,60 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """Run one optimizer step over every chunk; return the closure's loss, if a closure was given."""
+        """Run one optimizer step over every chunk; return the closure's loss, if a closure was given.
+
+        Hooks registered on the inner optimizer run once, around the whole step. If the step raises, the chunks
+        before the failing one are committed, the rest are untouched, and the exception says which.
+        """
+        args, kwargs = self._inner_hooks("_optimizer_step_pre_hooks", (closure,) if closure is not None else (), {})
+        closure = args[0] if args else kwargs.get("closure")
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._check_can_step()
+        self._sync()
+        self._check_grads()
         if self._offloaded:
             self.reload()
-        plan = self.plan
+        skip_staged = self._step_skipped_by_grad_scaler()
         counters = GroupCounters(self._inner.param_groups)
-        with self._amp_attrs_forwarded():
-            try:
-                if plan.resident is not None and self._any_grad(plan.resident):
-                    self._stepper.run(plan.resident, self._homes, counters, fresh=False)
-                self._step_offloaded([c for c in plan.chunks if self._any_grad(c)], counters)
-            finally:
-                counters.finish()
+        chunks = [c for c in self.plan.all_chunks if self._any_grad(c)]
+        self._adapter.begin_step(self._stepped_dtype)
+        self._binding.stepping = True
+        try:
+            with self._amp_attrs_forwarded():
+                self._schedule.run(chunks, counters, skip_staged=skip_staged)
+        finally:
+            self._binding.stepping = False
+            counters.finish()
+        self._inner_hooks("_optimizer_step_post_hooks", args, kwargs)
         return loss
 
-    def _step_offloaded(self, active: list[Chunk], counters: GroupCounters) -> None:
-        if not active:
-            return
-        engine, pool, arena = self._engine, self._pool, self._arena
-        fresh = [not self._has_state(c) for c in active]
-        if not all(fresh):
-            pool.allocate(self.plan.slot_nbytes)
-        engine.begin_step()
-        events: dict[int, torch.cuda.Event | None] = {}
-
-        def stage(pos: int) -> None:  # H2D of a chunk that has state; see [Note: Two-slot staging]
-            chunk, slot = active[pos], pool.slot_for(pos)
-            if slot.buffer is None:
-                raise RuntimeError("the staging pool was not allocated before staging a chunk")
-            n = chunk.transfer_nbytes
-            pairs = [(slot.buffer[:n], arena.region(chunk.host_offset, n))] if n else []
-            events[pos] = engine.stage_in(slot, pairs)
-
-        lookahead = self.num_slots - 1
-        for pos in range(min(lookahead, len(active))):
-            if not fresh[pos]:
-                stage(pos)
-        for pos, chunk in enumerate(active):
-            ahead = pos + lookahead
-            if ahead < len(active) and not fresh[ahead] and ahead not in events:
-                stage(ahead)
-            slot = pool.slot_for(pos)
-            if fresh[pos]:
-                self._step_fresh(chunk, slot, counters)
-                continue
-            if pos not in events:
-                stage(pos)
-            engine.wait_staged(slot, events.pop(pos))
-            buffer = cast(torch.Tensor, slot.buffer)  # stage() checked it
-            views = self._staged_views(chunk, slot.index, buffer)
-            self._stepper.run(chunk, views, counters, fresh=False)
-            n = chunk.transfer_nbytes
-            engine.write_back(slot, [(arena.region(chunk.host_offset, n), buffer[:n])] if n else [])
-        engine.end_step(pool.slots)
-
-    def _step_fresh(self, chunk: Chunk, slot: Slot, counters: GroupCounters) -> None:
-        """First step of a chunk: the inner optimizer creates its state on the device; D2H reads it directly."""
-        engine, arena = self._engine, self._arena
-        engine.reclaim(slot)  # bound: at most num_slots chunks of fresh tensors exist at once
-        wrapper_nbytes = chunk.region_nbytes[1]
-        extra = wrapper_nbytes + chunk.region_nbytes[2]
-        temp = torch.empty(extra, dtype=torch.uint8, device=self.device) if extra else None
-        host_wrapper = arena.region(chunk.host_offset + chunk.state_nbytes, wrapper_nbytes)
-        h2d = [(temp[:wrapper_nbytes], host_wrapper)] if temp is not None and wrapper_nbytes else []
-        event = engine.stage_in(slot, h2d, fresh_memory=True)
-        engine.wait_staged(slot, event)
-        views = (
-            chunk_views(chunk, self._infos, temp, shift=chunk.state_nbytes, roles=_NON_STATE)
-            if temp is not None
-            else {i: {} for i in chunk.params}
-        )
-        fresh_pairs = self._stepper.run(chunk, views, counters, fresh=True)
-        d2h = list(fresh_pairs)
-        retain = [t for _, t in fresh_pairs]
-        if temp is not None:
-            if wrapper_nbytes:
-                d2h.append((host_wrapper, temp[:wrapper_nbytes]))
-            retain.append(temp)
-        engine.write_back(slot, d2h, retain)
-
-    def _staged_views(self, chunk: Chunk, slot_index: int, buffer: torch.Tensor) -> Views:
-        key = (slot_index, chunk.index)
-        views = self._view_cache.get(key)
-        if views is None:
-            views = self._view_cache[key] = chunk_views(chunk, self._infos, buffer)
-        return views
+    def _inner_hooks(
+        self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Run the inner optimizer's own step hooks once per outer step; pre-hooks may replace the arguments."""
+        for hook in list(getattr(self._inner, name, {}).values()):
+            out = hook(self._inner, args, kwargs)
+            if name.endswith("pre_hooks") and out is not None:
+                if not (isinstance(out, tuple) and len(out) == 2):
+                    raise RuntimeError(f"a step pre-hook must return None or (args, kwargs), got {out!r}")
+                args, kwargs = out
+        return args, kwargs
 
     def _any_grad(self, chunk: Chunk) -> bool:
-        return any(self._infos[i].param.grad is not None for i in chunk.params)
+        infos = self._infos
+        return any(infos[i].param.grad is not None for i in chunk.params)
 
-    def _has_state(self, chunk: Chunk) -> bool:
-        if chunk.state_nbytes == 0:
-            return True
-        for i in chunk.params:
-            info = self._infos[i]
-            state = self._inner.state.get(info.param)
-            if state and any(s.key in state for s in info.state_specs):
-                return True
-        return False
+    def _step_skipped_by_grad_scaler(self) -> bool:
+        """Whether GradScaler handed a fused inner ``found_inf`` set: its kernels would change nothing staged.
+
+        Reading it waits for the device; it spares the step moving every chunk both ways for nothing. Chunks without
+        state still run, since the inner creates their (zero) state even on a skipped step.
+        """
+        found_inf = self.__dict__.get("found_inf")
+        return isinstance(found_inf, torch.Tensor) and bool(found_inf.item())
 
     def _check_can_step(self) -> None:
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -323,19 +381,24 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
                 "ChunkedOffloadOptimizer.step() cannot be captured in a CUDA graph: it rebinds state tensors to "
                 "staging memory on every step. Capture the forward/backward only"
             )
-        params = [p for g in self._inner.param_groups for p in g["params"]]
-        planned = [info.param for info in self._infos]
-        if len(params) != len(planned) or any(p is not q for p, q in zip(params, planned, strict=True)):
-            raise RuntimeError(
-                "param_groups changed since the chunk plan was built; add params with opt.add_param_group(...) or "
-                "call opt.replan() after editing param_groups by hand"
-            )
+
+    def _check_grads(self) -> None:
+        """Every grad fits its param; checked for all chunks before any is modified."""
         for info in self._infos:
-            grad = info.param.grad
-            if grad is not None and grad.is_sparse:
+            p, grad = info.param, info.param.grad
+            if grad is None:
+                continue
+            where = f"param {info.index} (shape {tuple(p.shape)}, dtype {p.dtype}, device {p.device})"
+            if grad.is_sparse or grad.layout != torch.strided:
                 raise RuntimeError(
-                    f"param {info.index} (shape {tuple(info.param.shape)}) has a sparse gradient; chunked offload "
-                    "stages dense state only. Use dense gradients (e.g. nn.Embedding(sparse=False))"
+                    f"{where} has a {grad.layout} gradient; chunked offload stages dense state only. Use dense "
+                    "gradients (e.g. nn.Embedding(sparse=False))"
+                )
+            if grad.shape != p.shape or grad.dtype != p.dtype or grad.device != p.device:
+                raise RuntimeError(
+                    f"{where} has a grad of shape {tuple(grad.shape)}, dtype {grad.dtype} on {grad.device}; a grad "
+                    "must match its param (was the param resized or converted after backward?). Zero the grads "
+                    "(opt.zero_grad()) and run backward again"
                 )
 
     @contextmanager
@@ -362,8 +425,10 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         """Add a group to the inner optimizer and extend the chunk plan (the host copies move once)."""
         self._inner.add_param_group(param_group)
         try:
-            self._build()
-        except Exception:
+            check_groups(self._inner)
+            _check_params(self._inner.param_groups)
+            self._sync(force=True)
+        except BaseException:
             self._inner.param_groups.pop()
             raise
 
@@ -376,10 +441,15 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
                 default the tensors are views of the live host copies, valid until the next ``step()``, as with
                 a plain optimizer.
         """
+        self._sync(strict=False)
         return _state_dict.save(self, snapshot=snapshot)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Validate a checkpoint in full, then copy it straight into the host copies (see docs/state-dict.md)."""
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
+        """Validate a checkpoint in full, then copy it straight into the host copies (see docs/state-dict.md).
+
+        Nothing is modified if the checkpoint does not fit, or if its layout cannot be allocated.
+        """
+        self._sync()
         _state_dict.load(self, state_dict)
 
     def synchronize(self) -> None:
@@ -394,45 +464,42 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
 
         Host copies stay canonical. Use it around phases that need the whole GPU (RL rollouts, evaluation).
         """
+        self._sync()
         self._drain()
-        self._pool.release()
-        self._view_cache.clear()
+        self._pool.release(None)
         flat = self._require_layout().resident_flat
-        if flat is not None and flat.device != torch.device("cpu"):
+        if flat is not None and flat.device.type != "cpu":
             self._rehome_resident(flat.to("cpu"))
         self._offloaded = True
 
     def reload(self) -> None:
-        """Bring back what ``offload()`` freed: the resident state and the staging slots."""
+        """Bring back what ``offload()`` freed: the resident state (the slots come back with the next step)."""
         flat = self._require_layout().resident_flat
         if flat is not None and flat.device != self.device:
             self._rehome_resident(flat.to(self.device))
-        if self.plan.chunks and any(self._has_state(c) for c in self.plan.chunks):
-            self._pool.allocate(self.plan.slot_nbytes)
         self._offloaded = False
 
     def _rehome_resident(self, flat: torch.Tensor) -> None:
-        resident = self.plan.resident
-        if resident is None:
-            return
-        new_homes = chunk_views(resident, self._infos, flat)
-        for i, views in new_homes.items():
-            state = self._inner.state.get(self._infos[i].param)
-            if state:
-                for key, view in views.items():
-                    if key in state:
-                        state[key] = view
-            self._homes[i].clear()
-            self._homes[i].update(views)
-        self._require_layout().resident_flat = flat
+        layout = self._require_layout()
+        for chunk in layout.plan.resident_chunks:
+            views = chunk_views(chunk, layout.infos, flat, shift=-chunk.home_offset, roles=None)
+            for i, new_homes in views.items():
+                home = layout.homes[i]
+                entry = self._inner.state.get(layout.infos[i].param)
+                for key in list(home):
+                    if entry and entry.get(key) is home[key]:
+                        bind(entry, key, new_homes[key])
+                    home[key] = new_homes[key]
+        layout.resident_flat = flat
 
     # ------------------------------------------------------------------ masters
     def master_params(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Yield ``(param, fp32 master)`` for every param with a wrapper-owned master.
 
-        Masters of offloaded params are host tensors (a view of the host copy in ``"fp32"`` mode, a freshly
-        decoded tensor in ``"remainder"`` mode); nothing is materialised on the GPU. Treat them as read-only.
+        Masters of offloaded params are host tensors. A master is read as the next step will use it
+        ([Note: Edited params]); nothing is materialised on the GPU. Treat them as read-only.
         """
+        self._sync()
         self.synchronize()
         for info in self._infos:
             if info.has_master:
@@ -440,14 +507,21 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
 
     def _read_master(self, info: ParamInfo) -> torch.Tensor:
         home = self._homes[info.index]
+        device = home[MASTER if self._mode is MasterMode.FP32 else REMAINDER].device
+        param = info.param.detach().to(device)
+        rounded = torch.empty_like(param)
         if self._mode is MasterMode.FP32:
-            return home[MASTER]
-        device = home[REMAINDER].device
-        out = torch.empty_strided(
-            tuple(info.param.shape), tuple(info.param.stride()), dtype=torch.float32, device=device
-        )
-        decode_remainder(info.param.detach().to(device), home[REMAINDER], home[TIE_BITS], out)
-        return out
+            master = home[MASTER]
+            rounded.copy_(master)
+            if torch.equal(rounded.view(torch.int16), param.view(torch.int16)):
+                return master  # not edited since its last step: the stored master itself
+            master = master.clone()
+        else:
+            like = home[REMAINDER]
+            master = torch.empty_strided(tuple(like.shape), like.stride(), dtype=torch.float32, device=device)
+            decode_remainder(param, home[REMAINDER], home[TIE_BITS], master)
+        reconcile_master(param, master, work=torch.empty_like(master), rounded=rounded)
+        return master
 
     def _write_master(self, info: ParamInfo, master: torch.Tensor) -> None:
         """Set a param's master and the param itself (the master rounded to nearest even)."""
@@ -460,9 +534,6 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
             home[MASTER].copy_(master)
         else:
             encode_remainder(master, rounded, home[REMAINDER], home[TIE_BITS], work=torch.empty_like(master))
-
-
-_NON_STATE = (Role.MASTER, Role.REMAINDER, Role.TIE_BITS, Role.SCRATCH)
 
 
 def _check_inner(inner: object) -> None:
@@ -479,22 +550,41 @@ def _check_inner(inner: object) -> None:
         raise TypeError(f"inner must be a torch.optim.Optimizer instance, got {type(inner).__name__}")
 
 
-def _check_params(inner: torch.optim.Optimizer) -> None:
-    for gi, group in enumerate(inner.param_groups):
-        for p in group["params"]:
+def _check_not_wrapped(inner: torch.optim.Optimizer) -> None:
+    state = inner.state
+    if isinstance(state, StateTable) and state.binding is not None:
+        raise ValueError(
+            f"this {type(inner).__name__} is already wrapped by a live ChunkedOffloadOptimizer; two wrappers would "
+            "each step and rebind the same state. Use the existing wrapper (or drop it before wrapping again)"
+        )
+
+
+def _check_params(groups: Sequence[Mapping[str, Any]]) -> None:
+    seen: dict[int, tuple[int, int]] = {}
+    for gi, group in enumerate(groups):
+        for pi, p in enumerate(group["params"]):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"param group {gi} holds a {type(p).__name__} at position {pi}, not a tensor")
             if p.is_sparse or p.layout != torch.strided:
                 raise ValueError(
                     f"param group {gi} holds a param with layout {p.layout}; only dense params are supported"
                 )
+            if id(p) in seen:
+                g0, p0 = seen[id(p)]
+                raise ValueError(
+                    f"param {pi} of param group {gi} (shape {tuple(p.shape)}) is also param {p0} of group {g0}; a "
+                    "param listed twice would be stepped twice. List each param once (torch only warns about this)"
+                )
+            seen[id(p)] = (gi, pi)
 
 
 def _common_device(inner: torch.optim.Optimizer) -> torch.device:
     devices = {p.device for g in inner.param_groups for p in g["params"]}
-    if len(devices) != 1:
+    if len(devices) > 1:
         raise ValueError(
             f"all params must be on one device, got {sorted(str(d) for d in devices)}; wrap one optimizer per device"
         )
-    device = devices.pop()
+    device = devices.pop() if devices else torch.device("cpu")
     if device.type not in ("cuda", "cpu"):
         raise ValueError(f"params must be on a CUDA device or the CPU, got {device}")
     return device

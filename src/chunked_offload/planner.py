@@ -16,6 +16,7 @@ __all__ = [
     "Bundle",
     "Chunk",
     "ChunkPlan",
+    "Home",
     "Role",
     "TensorSpec",
     "plan_chunks",
@@ -43,7 +44,7 @@ class Role(enum.Enum):
     MASTER = "master"  # a wrapper-owned fp32 master ("fp32" mode); moves both ways
     REMAINDER = "remainder"  # int16 low half of the fp32 master ("remainder" mode); moves both ways
     TIE_BITS = "tie_bits"  # one bit per element that disambiguates the remainder at ties; moves both ways
-    SCRATCH = "scratch"  # device-only working memory (the fp32 grad, the rebuilt master); never moves
+    SCRATCH = "scratch"  # device-only working memory (the fp32 grad, the rebuilt master, the param backup); never moves
 
     @property
     def moves(self) -> bool:
@@ -75,6 +76,10 @@ class TensorSpec:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def dim(self) -> int:
+        return len(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -114,21 +119,30 @@ class Bundle:
 _REGION_OF = {Role.STATE: 0, Role.MASTER: 1, Role.REMAINDER: 1, Role.TIE_BITS: 1, Role.SCRATCH: 2}
 
 
+class Home(enum.Enum):
+    """Where a chunk's moving bytes live between steps."""
+
+    HOST = "host"  # the host arena: offloaded
+    DEVICE = "device"  # a device buffer: resident (``offload_fraction < 1``); staged by device-to-device copies
+
+
 @dataclass(frozen=True)
 class Chunk:
     """A run of whole bundles that is staged, stepped and written back together.
 
     Attributes:
-        index: position in the plan (the resident chunk has index -1).
+        index: position in the plan (host chunks first, then device chunks, in parameter order).
         params: parameter indices, in ``param_groups`` order.
-        host_offset: byte offset of the chunk's moving bytes in the host arena (-1 for the resident chunk).
+        home: where the chunk's moving bytes live between steps.
+        home_offset: byte offset of the chunk's moving bytes in its home buffer (host arena or device buffer).
         region_nbytes: bytes of the three regions (state, wrapper-owned, scratch).
         offsets: byte offset of each tensor inside the chunk, keyed by ``(param index, key)``.
     """
 
     index: int
     params: tuple[int, ...]
-    host_offset: int
+    home: Home
+    home_offset: int
     region_nbytes: tuple[int, int, int]
     offsets: dict[tuple[int, str], int] = field(repr=False, compare=False)
 
@@ -147,7 +161,7 @@ class Chunk:
         return sum(self.region_nbytes)
 
 
-def _layout_chunk(index: int, bundles: Sequence[Bundle], host_offset: int) -> Chunk:
+def _layout_chunk(index: int, bundles: Sequence[Bundle], home: Home, home_offset: int) -> Chunk:
     sizes = [0, 0, 0]
     for b in bundles:
         for s in b.specs:
@@ -159,7 +173,7 @@ def _layout_chunk(index: int, bundles: Sequence[Bundle], host_offset: int) -> Ch
             region = _REGION_OF[s.role]
             offsets[(b.index, s.key)] = cursor[region]
             cursor[region] += s.padded_nbytes
-    return Chunk(index, tuple(b.index for b in bundles), host_offset, (sizes[0], sizes[1], sizes[2]), offsets)
+    return Chunk(index, tuple(b.index for b in bundles), home, home_offset, (sizes[0], sizes[1], sizes[2]), offsets)
 
 
 @dataclass(frozen=True)
@@ -168,17 +182,24 @@ class ChunkPlan:
 
     Attributes:
         chunks: offloaded chunks in parameter order; their moving bytes tile the host arena in this order.
-        resident: the bundles kept on the device (``offload_fraction < 1``), laid out as one chunk, or None.
+        resident_chunks: chunks of the bundles kept on the device (``offload_fraction < 1``), in parameter order;
+            their moving bytes tile one device buffer. They are staged and stepped like offloaded chunks, with
+            device-to-device copies, so a failed step can roll them back too.
         bundles: every bundle, by parameter index.
         chunk_bytes: the requested chunk size in bytes.
         num_slots: staging slots on the device.
     """
 
     chunks: tuple[Chunk, ...]
-    resident: Chunk | None
+    resident_chunks: tuple[Chunk, ...]
     bundles: tuple[Bundle, ...]
     chunk_bytes: int
     num_slots: int
+
+    @property
+    def all_chunks(self) -> tuple[Chunk, ...]:
+        """Every chunk, offloaded then resident: parameter order."""
+        return self.chunks + self.resident_chunks
 
     @property
     def host_nbytes(self) -> int:
@@ -186,28 +207,28 @@ class ChunkPlan:
         return sum(c.transfer_nbytes for c in self.chunks)
 
     @property
+    def resident_nbytes(self) -> int:
+        """Size of the device buffer that holds the resident chunks between steps."""
+        return sum(c.transfer_nbytes for c in self.resident_chunks)
+
+    @property
     def largest_bundle_nbytes(self) -> int:
-        offloaded = {i for c in self.chunks for i in c.params}
-        return max((b.device_nbytes for b in self.bundles if b.index in offloaded), default=0)
+        return max((b.device_nbytes for b in self.bundles), default=0)
 
     @property
     def slot_nbytes(self) -> int:
         """Bytes of one staging slot: the largest chunk."""
-        return max((c.device_nbytes for c in self.chunks), default=0)
+        return max((c.device_nbytes for c in self.all_chunks), default=0)
 
     @property
     def window_bound_nbytes(self) -> int:
         """Published bound on staging memory during ``step()``: ``num_slots * max(chunk, largest bundle)``."""
-        if not self.chunks:
+        if not self.bundles:
             return 0
         return self.num_slots * max(self.chunk_bytes, self.largest_bundle_nbytes)
 
-    @property
-    def resident_nbytes(self) -> int:
-        return 0 if self.resident is None else self.resident.device_nbytes
-
     def chunk_of(self, param_index: int) -> Chunk | None:
-        for c in self.chunks:
+        for c in self.all_chunks:
             if param_index in c.params:
                 return c
         return None
@@ -216,13 +237,14 @@ class ChunkPlan:
         """A short human-readable description."""
         mib = 2**20
         lines = [
-            f"ChunkPlan: {len(self.chunks)} chunks over {sum(len(c.params) for c in self.chunks)} params, "
-            f"host arena {self.host_nbytes / mib:.1f} MiB, slot {self.slot_nbytes / mib:.1f} MiB x {self.num_slots}, "
-            f"window bound {self.window_bound_nbytes / mib:.1f} MiB, resident {self.resident_nbytes / mib:.1f} MiB"
+            f"ChunkPlan: {len(self.chunks)} offloaded chunks over {sum(len(c.params) for c in self.chunks)} params"
+            f" + {len(self.resident_chunks)} resident chunks, host arena {self.host_nbytes / mib:.1f} MiB, "
+            f"resident {self.resident_nbytes / mib:.1f} MiB, slot {self.slot_nbytes / mib:.1f} MiB x "
+            f"{self.num_slots}, window bound {self.window_bound_nbytes / mib:.1f} MiB"
         ]
-        for c in self.chunks:
+        for c in self.all_chunks:
             lines.append(
-                f"  chunk {c.index}: params {c.params[0]}..{c.params[-1]} ({len(c.params)}), "
+                f"  chunk {c.index} ({c.home.value}): params {c.params[0]}..{c.params[-1]} ({len(c.params)}), "
                 f"moves {c.transfer_nbytes / mib:.2f} MiB, slot {c.device_nbytes / mib:.2f} MiB"
             )
         return "\n".join(lines)
@@ -237,9 +259,9 @@ def plan_chunks(
     """Pack whole bundles, in parameter order, into chunks of at most ``chunk_bytes`` slot bytes.
 
     Chunks may be smaller than ``chunk_bytes`` to keep the pipeline deep (see [Note: Pipeline depth]). The
-    first ``offload_fraction`` of the bytes (whole bundles, in parameter order) is offloaded; the rest stays
-    resident on the device. A bundle larger than ``chunk_bytes`` forms a chunk of its own. The result depends on
-    the arguments alone, so every rank and every run gets the same plan.
+    first ``offload_fraction`` of the bytes (whole bundles, in parameter order) is offloaded; the rest is packed
+    the same way into resident chunks, whose home is a device buffer. A bundle larger than ``chunk_bytes`` forms
+    a chunk of its own. The result depends on the arguments alone, so every rank and every run gets the same plan.
 
     Args:
         bundles: one bundle per parameter, in ``param_groups`` order.
@@ -261,11 +283,9 @@ def plan_chunks(
         raise ValueError(f"bundles must be in strictly increasing parameter order, got indices {indices}")
 
     total = sum(b.device_nbytes for b in bundles)
-    budget = offload_fraction * total
-    n_offloaded, running = 0, 0
-    if offload_fraction >= 1.0:
-        n_offloaded = len(bundles)
-    else:
+    n_offloaded = len(bundles)
+    if offload_fraction < 1.0:
+        budget, running, n_offloaded = offload_fraction * total, 0, 0
         for b in bundles:
             if running + b.device_nbytes > budget:
                 break
@@ -274,26 +294,30 @@ def plan_chunks(
 
     offloaded_nbytes = sum(b.device_nbytes for b in bundles[:n_offloaded])
     budget_bytes = min(chunk_bytes, max(MIN_AUTO_CHUNK_BYTES, -(-offloaded_nbytes // PIPELINE_DEPTH)))
+    chunks = _pack(bundles[:n_offloaded], budget_bytes, Home.HOST, first_index=0)
+    resident = _pack(bundles[n_offloaded:], budget_bytes, Home.DEVICE, first_index=len(chunks))
+    return ChunkPlan(tuple(chunks), tuple(resident), tuple(bundles), chunk_bytes, num_slots)
+
+
+def _pack(bundles: Sequence[Bundle], budget_bytes: int, home: Home, first_index: int) -> list[Chunk]:
+    """Greedy packing of whole bundles, in order; each chunk's moving bytes follow the previous chunk's."""
     chunks: list[Chunk] = []
     current: list[Bundle] = []
     current_nbytes = 0
-    host_offset = 0
+    home_offset = 0
 
     def close() -> None:
-        nonlocal current, current_nbytes, host_offset
-        chunk = _layout_chunk(len(chunks), current, host_offset)
+        nonlocal current, current_nbytes, home_offset
+        chunk = _layout_chunk(first_index + len(chunks), current, home, home_offset)
         chunks.append(chunk)
-        host_offset += chunk.transfer_nbytes
+        home_offset += chunk.transfer_nbytes
         current, current_nbytes = [], 0
 
-    for b in bundles[:n_offloaded]:
+    for b in bundles:
         if current and current_nbytes + b.device_nbytes > budget_bytes:
             close()
         current.append(b)
         current_nbytes += b.device_nbytes
     if current:
         close()
-
-    rest = list(bundles[n_offloaded:])
-    resident = _layout_chunk(-1, rest, -1) if rest else None
-    return ChunkPlan(tuple(chunks), resident, tuple(bundles), chunk_bytes, num_slots)
+    return chunks

@@ -23,8 +23,8 @@ class Slot:
 
     Attributes:
         index: slot number.
-        buffer: flat uint8 device memory, or None while the pool is released or the chunk runs fresh (its
-            first step, when the inner optimizer allocates the state itself).
+        buffer: flat uint8 device memory during a step that stages chunks; None between steps (see
+            [Note: Slot memory between steps]).
         state: lifecycle state.
         free_event: recorded on the D2H stream after the slot's last read; None before first use or on CPU.
         read_marks: ``(end, event)`` pairs of the last write-back, in order: once ``event`` completes, the D2H has
@@ -51,7 +51,7 @@ class Slot:
 
 
 class StagingPool:
-    """``num_slots`` device slots, allocated on first need and released by ``release()``.
+    """``num_slots`` device slots whose memory is taken for each step and handed back after it.
 
     [Note: Two-slot staging]
     Chunk ``i`` uses slot ``i % num_slots``. The H2D of chunk ``i`` waits on the slot's ``free_event`` (the D2H of
@@ -61,6 +61,15 @@ class StagingPool:
     ``num_slots * max(chunk, largest bundle)``. The first step has no state to bring in, so its chunks run
     "fresh": the inner optimizer creates the state on the device, the D2H reads those tensors directly, and the
     slot only bounds how many chunks are in flight (their tensors sit in ``retained``).
+
+    [Note: Slot memory between steps]
+    The slots take their memory from torch's caching allocator at the start of every step that stages a chunk and
+    hand it back at the end (``record_stream`` on the D2H stream, then the buffers are dropped), so forward and
+    backward can use it between steps. In steady state the allocator hands out cached blocks: no ``cudaMalloc``.
+    Views of a slot live for one step only; anything that still holds one after the step (a traceback) keeps its
+    block alive rather than reading memory the allocator gave away. Freshly taken memory may still be in use by
+    work queued on the compute stream before it was freed, so the first H2D into it waits for that stream
+    (``needs_fence``).
 
     Args:
         num_slots: number of slots (>= 1).
@@ -74,24 +83,37 @@ class StagingPool:
 
     @property
     def allocated(self) -> bool:
-        return self.slot_nbytes > 0
+        """Whether the slots hold device memory now."""
+        return any(s.buffer is not None for s in self.slots)
 
     def slot_for(self, position: int) -> Slot:
         """The slot used by the ``position``-th chunk of a step."""
         return self.slots[position % len(self.slots)]
 
-    def allocate(self, slot_nbytes: int) -> None:
-        """Give every slot ``slot_nbytes`` bytes of device memory (no-op when they already have that)."""
-        if slot_nbytes == self.slot_nbytes:
-            return
-        for slot in self.slots:
-            slot.buffer = torch.empty(slot_nbytes, dtype=torch.uint8, device=self.device)
-            slot.needs_fence = True
+    def acquire(self, slot_nbytes: int) -> None:
+        """Give every slot ``slot_nbytes`` bytes of device memory; on an allocation failure release them all."""
+        try:
+            for slot in self.slots:
+                slot.buffer = None
+                slot.buffer = torch.empty(slot_nbytes, dtype=torch.uint8, device=self.device)
+                slot.needs_fence = True
+                slot.free_event = None
+                slot.read_marks = []
+        except BaseException:
+            self.release(None)
+            raise
         self.slot_nbytes = slot_nbytes
 
-    def release(self) -> None:
-        """Drop the device memory. The caller has already waited for every transfer that touches it."""
+    def release(self, stream: torch.cuda.Stream | None) -> None:
+        """Hand the slots' memory back to the allocator, which reuses it once ``stream``'s work so far is done.
+
+        Every slot returns to FREE. The caller has ordered ``stream`` after every copy that touches the slots.
+        """
         for slot in self.slots:
+            if slot.buffer is not None and stream is not None:
+                # Without record_stream the allocator could give this block to the next forward while the D2H
+                # stream still reads the last chunk from it.
+                slot.buffer.record_stream(stream)
             slot.buffer = None
             slot.retained.clear()
             slot.free_event = None

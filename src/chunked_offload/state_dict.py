@@ -2,40 +2,91 @@
 
 from __future__ import annotations
 
+import copy
+from collections import OrderedDict, defaultdict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .adapters import is_dense
+from .layout import stepped_like
 from .planner import Role, TensorSpec
+from .state_table import bind
 
 if TYPE_CHECKING:
     from .optimizer import ChunkedOffloadOptimizer
 
-__all__ = ["MASTER_KEY", "load", "save"]
+__all__ = ["MASTER_KEY", "CheckpointEntry", "load", "save"]
 
 # Where a wrapper-owned fp32 master goes in a checkpoint: one extra key in the param's own state entry. Plain
 # optimizers carry unknown keys along and never read them; DCP's optimizer state dict keeps them too.
 MASTER_KEY = "chunked_offload.master_fp32"
 
 
+class CheckpointEntry(dict):  # type: ignore[type-arg]
+    """One param's entry in ``opt.state_dict()["state"]``: a dict that keeps its tensors in host memory.
+
+    A device tensor stored into it, or passed when one is built (``type(entry)({...})``), is copied to the host at
+    once. Frameworks that move a whole checkpoint to the GPU before loading it, entry by entry (accelerate's
+    ``AcceleratedOptimizer`` does at ``prepare()``), so never hold more than one param's state there. The entry
+    pickles as an ``OrderedDict``, which ``torch.load(weights_only=True)`` accepts.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__()
+        self.update(*args, **kwargs)
+
+    @classmethod
+    def of(cls, items: Mapping[Any, Any]) -> CheckpointEntry:
+        """An entry holding ``items`` as they are (the wrapper's own packing, resident state included)."""
+        entry = cls()
+        for k, v in items.items():
+            dict.__setitem__(entry, k, v)
+        return entry
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            value = value.to("cpu")
+        dict.__setitem__(self, key, value)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return (OrderedDict, (), None, None, iter(self.items()))
+
+    def __copy__(self) -> CheckpointEntry:
+        return CheckpointEntry.of(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CheckpointEntry:
+        return CheckpointEntry.of({copy.deepcopy(k, memo): copy.deepcopy(v, memo) for k, v in self.items()})
+
+
 def save(opt: ChunkedOffloadOptimizer, *, snapshot: bool) -> dict[str, Any]:
     """The inner optimizer's native state dict, read from the host copies.
 
     ``state`` maps param ids (positions in ``param_groups`` order) to the state entries; ``param_groups`` holds the
-    hyperparameters. Offloaded tensors are views of the host arena (or copies, with ``snapshot``); no device memory
-    is allocated.
+    hyperparameters. Offloaded tensors are views of the host copies (or copies, with ``snapshot``); no device memory
+    is allocated. Hooks registered on the inner optimizer run around the wrapper's own.
     """
+    inner = opt.inner
+    for pre_hook in list(inner._optimizer_state_dict_pre_hooks.values()):
+        pre_hook(inner)
     opt.synchronize()  # every in-flight D2H lands before its host view is handed out
     sd = torch.optim.Optimizer.state_dict(opt)  # the wrapper's hooks, torch's packing, over the inner's state
-    state: dict[Any, Any] = {pid: dict(entry) for pid, entry in sd["state"].items()}  # never alias inner.state
+    state = {pid: dict(entry) for pid, entry in sd["state"].items()}  # never alias inner.state
     for info in opt._infos:
         if info.has_master and info.index in state:
             state[info.index][MASTER_KEY] = opt._read_master(info)
     if snapshot:
         state = {pid: {k: _host_copy(v) for k, v in entry.items()} for pid, entry in state.items()}
-    sd["state"] = state
+    sd["state"] = {pid: CheckpointEntry.of(entry) for pid, entry in state.items()}
+    for post_hook in list(inner._optimizer_state_dict_post_hooks.values()):
+        out = post_hook(inner, sd)
+        if out is not None:
+            sd = out
     return sd
 
 
@@ -46,49 +97,77 @@ def _host_copy(value: Any) -> Any:
 
 
 def load(opt: ChunkedOffloadOptimizer, state_dict: Any) -> None:
-    """Validate ``state_dict`` completely, then copy it into the host copies and the param groups.
+    """Validate ``state_dict`` completely, plan its layout, then copy it into the host copies and the param groups.
 
     Raises:
         TypeError, ValueError: the checkpoint does not fit this optimizer; nothing has been modified.
+        RuntimeError: its layout cannot be allocated (host RAM); nothing has been modified.
     """
-    for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
-        out = pre_hook(opt, state_dict)
-        if out is not None:
-            state_dict = out
+    inner = opt.inner
+    for owner in (opt, inner):
+        for pre_hook in list(owner._optimizer_load_state_dict_pre_hooks.values()):
+            out = pre_hook(owner, state_dict)
+            if out is not None:
+                state_dict = out
     hparams, entries, saved_groups = _validate(opt, state_dict)
     saved_ids = [pid for g in saved_groups for pid in g["params"]]
 
-    opt._drain()
-    inner = opt.inner
-    for group, values in zip(inner.param_groups, hparams, strict=True):
-        for k in [k for k in group if k != "params"]:
-            del group[k]
-        group.update(values)
+    # What the inner optimizer makes of the checkpoint (its own fix-ups in __setstate__), on copies.
+    groups = [{**values, "params": g["params"]} for g, values in zip(inner.param_groups, hparams, strict=True)]
+    state: dict[torch.Tensor, dict[str, Any]] = {}
     for info in opt._infos:
         entry = entries.get(info.index)
         if not entry:
-            inner.state.pop(info.param, None)
             continue
         values = {}
         for key, value in entry.items():
             if key == MASTER_KEY:
                 continue
             if isinstance(value, torch.Tensor) and not opt.adapter.is_offloaded(key, value):
-                value = _place_scalar(info.param, value, saved_ids[info.index], saved_groups, key)
+                # Placed as for the tensor the inner steps: under masters that is the fp32 master, not the param.
+                stepped = torch.empty(0, dtype=opt._stepped_dtype(info.param), device=info.param.device)
+                value = _place_scalar(stepped, value, saved_ids[info.index], saved_groups, key)
             values[key] = value
-        state = inner.state[info.param]
-        state.clear()
-        state.update(values)
-    # The inner's own fix-ups for loaded checkpoints (defaults for new hyperparameters, float `step` -> tensor).
-    inner.__setstate__({"state": inner.state, "param_groups": inner.param_groups})
-    opt._build()  # re-plans if the layout changed, then copies each checkpoint tensor into its host view
+        state[info.param] = values
+    groups, state = _fixed_up(inner, groups, state)
+
+    prepared = opt._prepare(groups, state)  # may raise (host RAM): nothing is modified yet
+
+    opt._drain()
+    for group, new in zip(inner.param_groups, groups, strict=True):
+        for k in [k for k in group if k != "params"]:
+            del group[k]
+        group.update({k: v for k, v in new.items() if k != "params"})
+    table = inner.state
+    for info in opt._infos:
+        new_entry = state.get(info.param)
+        if new_entry is None:
+            table.pop(info.param, None)
+            continue
+        entry = table[info.param]
+        dict.clear(entry)
+        for k, v in new_entry.items():
+            bind(entry, k, v)  # offloaded tensors are the checkpoint's; _install copies them into their homes
+    opt._install(prepared)
     for info in opt._infos:
         if info.has_master:
-            entry = entries.get(info.index) or {}
-            master = entry.get(MASTER_KEY)
+            master = (entries.get(info.index) or {}).get(MASTER_KEY)
             opt._write_master(info, master if master is not None else info.param.detach().float())
-    for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
-        post_hook(opt)
+    for owner in (opt, inner):
+        for post_hook in list(owner._optimizer_load_state_dict_post_hooks.values()):
+            post_hook(owner)
+
+
+def _fixed_up(
+    inner: torch.optim.Optimizer, groups: list[dict[str, Any]], state: dict[torch.Tensor, dict[str, Any]]
+) -> tuple[list[dict[str, Any]], dict[torch.Tensor, dict[str, Any]]]:
+    """Run the inner optimizer's ``__setstate__`` (defaults for new hyperparameters, float ``step`` -> tensor) on a
+    throwaway copy of it, so that its fix-ups apply to ``groups`` and ``state`` and to nothing else."""
+    scratch = object.__new__(type(inner))
+    scratch.__dict__.update(inner.__dict__)
+    scratch.__dict__["defaults"] = dict(inner.defaults)
+    type(inner).__setstate__(scratch, {"state": defaultdict(dict, state), "param_groups": groups})
+    return scratch.param_groups, dict(scratch.state)
 
 
 def _place_scalar(
@@ -139,6 +218,7 @@ def _validate(
         values.update({k: v for k, v in saved.items() if k != "params"})
         hparams.append(values)
 
+    adapter, mode = opt.adapter, opt._mode
     entries: dict[int, dict[str, Any]] = {}
     for pid, entry in state.items():
         index = index_of[pid]
@@ -146,21 +226,14 @@ def _validate(
         if not isinstance(entry, Mapping):
             raise TypeError(f"state of param id {pid!r} must be a mapping, got {type(entry).__name__}")
         where = f"param {index} (checkpoint id {pid!r}, shape {tuple(info.param.shape)})"
-        expected = {
-            s.key: s for s in opt.adapter.predict_state(opt._stepped_like(info.param), hparams[info.group_index])
-        }
-        got = {k: v for k, v in entry.items() if k != MASTER_KEY and opt.adapter.is_offloaded(k, v)}
-        lacking = sorted(set(expected) - set(got))
+        group = hparams[info.group_index]
+        expected = {s.key: s for s in adapter.predict_state(stepped_like(info.param, mode), group)}
+        got = {k: v for k, v in entry.items() if k != MASTER_KEY and adapter.is_offloaded(k, v)}
+        lacking = sorted(set(expected) - set(got) - adapter.lazy_keys(group)) if entry else []
         if lacking:
             raise ValueError(f"{where}: the checkpoint lacks state {lacking}")
-        extra = sorted(set(got) - set(expected))
-        if extra:
-            raise ValueError(
-                f"{where}: the checkpoint has state {extra} that {type(opt.inner).__name__} with these "
-                f"hyperparameters does not create (expected {sorted(expected)})"
-            )
         for key, value in got.items():
-            _check_tensor(where, key, value, expected[key])
+            _check_tensor(where, key, value, expected.get(key))
         master = entry.get(MASTER_KEY)
         if master is not None and info.has_master:
             master_spec = TensorSpec(MASTER_KEY, Role.MASTER, tuple(info.param.shape), (), torch.float32)
@@ -169,14 +242,16 @@ def _validate(
     return hparams, entries, list(saved_groups)
 
 
-def _check_tensor(where: str, key: str, value: Any, spec: TensorSpec) -> None:
+def _check_tensor(where: str, key: str, value: Any, spec: TensorSpec | None) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{where}: state {key!r} must be a tensor, got {type(value).__name__}")
-    if tuple(value.shape) != spec.shape:
+    if spec is not None and tuple(value.shape) != spec.shape:
         raise ValueError(
             f"{where}: state {key!r} has shape {tuple(value.shape)} in the checkpoint, expected {spec.shape}"
         )
-    if value.dtype != spec.dtype:
+    if spec is not None and value.dtype != spec.dtype:
         raise ValueError(f"{where}: state {key!r} has dtype {value.dtype} in the checkpoint, expected {spec.dtype}")
     if not is_dense(value):
-        raise ValueError(f"{where}: state {key!r} is not a dense tensor in the checkpoint")
+        raise ValueError(
+            f"{where}: state {key!r} with strides {tuple(value.stride())} is not a dense tensor in the checkpoint"
+        )

@@ -1,28 +1,32 @@
-"""ChunkStepper: run the inner optimizer's own step on one chunk of parameters, in place on device views."""
+"""ChunkStepper: run the inner optimizer's own step on one chunk of parameters, as a transaction."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.autograd.profiler import record_function
 
 from .adapters import Adapter, GroupCounters
-from .layout import ParamInfo, Views
-from .masters import GRAD32, MASTER, REMAINDER, TIE_BITS, MasterMode, decode_remainder, encode_remainder
+from .layout import BACKUP, ParamInfo, Views
+from .masters import (
+    GRAD32,
+    MASTER,
+    REMAINDER,
+    TIE_BITS,
+    MasterMode,
+    decode_remainder,
+    encode_remainder,
+    reconcile_master,
+)
 from .planner import Chunk, TensorSpec
+from .state_table import bind
 
-__all__ = ["ChunkStepper", "raw_step"]
+__all__ = ["ChunkStepper", "ChunkTxn", "raw_step"]
 
-
-@dataclass
-class _MasterSwap:
-    param: torch.Tensor
-    data: torch.Tensor
-    grad: torch.Tensor
-    views: dict[str, torch.Tensor]
+_ABSENT = object()  # a param that had no state entry before the chunk
 
 
 def raw_step(inner: torch.optim.Optimizer) -> Callable[[], Any]:
@@ -33,27 +37,104 @@ def raw_step(inner: torch.optim.Optimizer) -> Callable[[], Any]:
     return lambda: fn(inner)
 
 
+@dataclass
+class _MasterSwap:
+    param: torch.Tensor
+    data: torch.Tensor
+    grad: torch.Tensor
+    views: dict[str, torch.Tensor]
+    active: bool = True
+
+
+@dataclass
+class ChunkTxn:
+    """Everything needed to undo one chunk's step until its write-back is enqueued.
+
+    [Note: Chunk transactions]
+    A chunk commits whole or not at all: params, offloaded state, 0-dim counters, non-tensor state and masters
+    together. Before the inner step the stepper records each param's state entry (0-dim tensors by value) and
+    copies each stepped param into its slot's backup region. Offloaded state and masters need no copy: their
+    homes are untouched until the write-back. Rolling back restores the params from the backups, puts every
+    entry back as it was (removing entries and keys the step created), and leaves the slot's bytes to be
+    overwritten. Once the write-back is enqueued the chunk is committed and the record is dropped.
+
+    Attributes:
+        state: the inner optimizer's state.
+        entries: param -> its entry and the entry's items before the step, or ``_ABSENT``.
+        scalars: 0-dim state tensors and copies of their values before the step.
+        backups: (param, backup view) of every stepped param.
+        swaps: master swaps still in effect.
+        extras: throwaway params whose state is dropped.
+    """
+
+    state: Any
+    entries: dict[torch.Tensor, Any] = field(default_factory=dict)
+    scalars: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    backups: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    swaps: list[_MasterSwap] = field(default_factory=list)
+    extras: list[torch.Tensor] = field(default_factory=list)
+
+    def rollback(self) -> None:
+        """Undo the chunk: the params, their state entries and the counters are as before its step."""
+        for swap in reversed(self.swaps):
+            _undo_swap(swap)
+        for p, backup in self.backups:
+            p.detach().copy_(backup)
+        for t, saved in self.scalars:
+            t.copy_(saved)
+        for p, before in self.entries.items():
+            if before is _ABSENT:
+                self.state.pop(p, None)
+                continue
+            entry, items = before
+            dict.__setitem__(self.state, p, entry)  # the inner may have replaced the entry object itself
+            dict.clear(entry)
+            for k, v in items.items():
+                bind(entry, k, v)
+        self.drop_extras()
+
+    def drop_extras(self) -> None:
+        for extra in self.extras:
+            self.state.pop(extra, None)
+        self.extras.clear()
+
+
+def _undo_swap(swap: _MasterSwap) -> None:
+    if swap.active:
+        p = swap.param
+        p.grad = None
+        p.data = swap.data
+        p.grad = swap.grad
+        swap.active = False
+
+
 class ChunkStepper:
     """Binds a chunk's device views into the inner optimizer's state and runs the inner step on just that chunk.
 
-    The steps for one chunk (DESIGN.md, "Inner step on a chunk" and contracts 1-4):
-    1. rebind each existing state tensor of the chunk's params to its device view (values only; the
-       ``inner.state[p]`` dicts and the parameter objects stay the same);
-    2. for params with a wrapper-owned master: rebuild it if stored as a remainder, cast the grad to fp32 into
-       scratch, and point ``p.data`` / ``p.grad`` at the master and the fp32 grad (as ``Module.half()`` swaps
-       ``.data``), so the inner optimizer updates the master under the param's own state entry;
-    3. narrow every ``param_groups[i]["params"]`` to the chunk's params, step, restore them;
-    4. put each param back, set it to the master rounded to nearest even, re-encode the remainder;
-    5. re-scan the state: lazily created tensors (first step) are checked against the plan and either copied into
-       the slot (staged chunk) or handed back for a direct D2H (fresh chunk); every state tensor is rebound to
-       its home view.
+    The steps for one chunk (design contracts 1-4, [Note: Chunk transactions]):
+    1. record every state entry of the chunk's params (0-dim tensors by value);
+    2. for params with a wrapper-owned master: rebuild it if stored as a remainder, apply
+       [Note: Edited params], cast the grad to fp32 into scratch;
+    3. copy every stepped param into its backup, then point ``p.data`` / ``p.grad`` of master params at the master
+       and the fp32 grad (as ``Module.half()`` swaps ``.data``), so the inner optimizer updates the master under
+       the param's own state entry;
+    4. rebind each existing state tensor to its device view (values only; the ``inner.state[p]`` dicts and the
+       parameter objects stay the same);
+    5. narrow every ``param_groups[i]["params"]`` to the chunk's params (plus any throwaway params the adapter
+       asks for), step, restore them;
+    6. put each param back, set it to the master rounded to nearest even, re-encode the remainder;
+    7. re-scan the state: lazily created tensors are checked against the plan and either copied into the slot
+       (staged chunk) or handed back for a direct D2H (fresh chunk); every state tensor is rebound to its home.
+
+    A failure in steps 2-7 rolls the chunk back before the exception propagates. After ``run`` returns, the
+    caller enqueues the write-back and then drops the returned transaction, or rolls it back if that fails.
 
     Args:
         inner: the wrapped optimizer.
         adapter: its adapter.
         mode: the master-weights mode.
         infos: every parameter, by index.
-        homes: home views of every parameter (host views for offloaded params, device views for resident ones).
+        homes: home views of every parameter.
     """
 
     def __init__(
@@ -69,68 +150,90 @@ class ChunkStepper:
 
     def run(
         self, chunk: Chunk, views: Views, counters: GroupCounters, *, fresh: bool
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Step one chunk; return ``(home, device tensor)`` pairs of fresh state still to be written back."""
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], ChunkTxn]:
+        """Step one chunk; return the ``(home, device tensor)`` pairs of fresh state to write back, and the txn."""
         infos = [self.infos[i] for i in chunk.params]
-        if not fresh:
-            self._bind(infos, views)
-        swaps: list[_MasterSwap] = []
-        ok = False
+        txn = self._record(infos)
         try:
-            for info in infos:
-                if info.has_master and info.param.grad is not None:
-                    swaps.append(self._enter_master(info, views[info.index]))
+            stepped = [info for info in infos if info.param.grad is not None]
+            for info in stepped:
+                if info.has_master:
+                    self._prepare_master(info, views[info.index])
+            txn.backups = [(info.param, views[info.index][BACKUP]) for info in stepped]
+            if txn.backups:
+                torch._foreach_copy_([b for _, b in txn.backups], [p.detach() for p, _ in txn.backups])
+            for info in stepped:
+                if info.has_master:
+                    txn.swaps.append(self._swap_in_master(info, views[info.index]))
+            if not fresh:
+                self._bind(infos, views)
             counters.before_chunk()
             with record_function("chunked_offload::step_chunk"):
-                self._narrowed_step(chunk, infos)
+                self._narrowed_step(chunk, infos, txn)
             counters.after_chunk(sorted({info.group_index for info in infos}))
-            ok = True
-        finally:
-            for swap in reversed(swaps):
-                self._exit_master(swap, ok)
-            if not ok:
-                self._rebind_homes(infos)
-        return self._rescan(infos, views, fresh)
+            txn.drop_extras()
+            for swap in reversed(txn.swaps):
+                self._swap_out_master(swap)
+            txn.swaps.clear()
+            return self._rescan(infos, views, fresh), txn
+        except BaseException:
+            txn.rollback()
+            raise
+
+    def _record(self, infos: Sequence[ParamInfo]) -> ChunkTxn:
+        state = self.inner.state
+        txn = ChunkTxn(state)
+        for info in infos:
+            entry = state.get(info.param)
+            if entry is None:
+                txn.entries[info.param] = _ABSENT
+                continue
+            txn.entries[info.param] = (entry, dict(entry))
+            txn.scalars += [(v, v) for v in entry.values() if isinstance(v, torch.Tensor) and v.dim() == 0]
+        if txn.scalars:
+            saved = [torch.empty_like(t) for t, _ in txn.scalars]
+            torch._foreach_copy_(saved, [t for t, _ in txn.scalars])
+            txn.scalars = [(t, s) for (t, _), s in zip(txn.scalars, saved, strict=True)]
+        return txn
 
     def _bind(self, infos: Sequence[ParamInfo], views: Views) -> None:
         for info in infos:
-            state = self.inner.state.get(info.param)
-            if not state:
+            entry = self.inner.state.get(info.param)
+            if not entry:
                 continue
             for spec in info.state_specs:
-                if spec.key in state:
-                    state[spec.key] = views[info.index][spec.key]
+                if spec.key in entry:
+                    bind(entry, spec.key, views[info.index][spec.key])
 
-    def _enter_master(self, info: ParamInfo, views: dict[str, torch.Tensor]) -> _MasterSwap:
+    def _prepare_master(self, info: ParamInfo, views: dict[str, torch.Tensor]) -> None:
+        p = info.param.detach()
+        master = views[MASTER]
+        if self.mode is MasterMode.REMAINDER:
+            decode_remainder(p, views[REMAINDER], views[TIE_BITS], master)
+        reconcile_master(p, master, work=views[GRAD32], rounded=views[BACKUP])
+
+    def _swap_in_master(self, info: ParamInfo, views: dict[str, torch.Tensor]) -> _MasterSwap:
         p = info.param
         grad = p.grad
         if grad is None:
             raise RuntimeError(f"param {info.index} has no grad; it should not have been swapped to its master")
-        master = views[MASTER]
-        if self.mode is MasterMode.REMAINDER:
-            decode_remainder(p.detach(), views[REMAINDER], views[TIE_BITS], master)
         grad32 = views[GRAD32]
         grad32.copy_(grad)
         swap = _MasterSwap(p, p.data, grad, views)
         p.grad = None
-        p.data = master
+        p.data = views[MASTER]
         p.grad = grad32
         return swap
 
-    def _exit_master(self, swap: _MasterSwap, ok: bool) -> None:
-        p = swap.param
-        master = p.data
-        p.grad = None
-        p.data = swap.data
-        p.grad = swap.grad
-        if not ok:
-            return
+    def _swap_out_master(self, swap: _MasterSwap) -> None:
+        master = swap.param.data
+        _undo_swap(swap)
         swap.data.copy_(master)  # round to nearest even, exactly as `master.to(param.dtype)`
         if self.mode is MasterMode.REMAINDER:
             v = swap.views
             encode_remainder(master, swap.data, v[REMAINDER], v[TIE_BITS], work=v[GRAD32])
 
-    def _narrowed_step(self, chunk: Chunk, infos: Sequence[ParamInfo]) -> None:
+    def _narrowed_step(self, chunk: Chunk, infos: Sequence[ParamInfo], txn: ChunkTxn) -> None:
         groups = self.inner.param_groups
         narrowed = self._narrowed.get(chunk.index)
         if narrowed is None:
@@ -138,9 +241,14 @@ class ChunkStepper:
             for info in infos:
                 narrowed[info.group_index].append(info.param)
             self._narrowed[chunk.index] = narrowed
+        calls = []
+        for gi, params in enumerate(narrowed):
+            extras = self.adapter.extra_params(gi, params) if params else []
+            txn.extras += extras
+            calls.append(params + extras if extras else params)
         saved = [g["params"] for g in groups]
         try:
-            for g, params in zip(groups, narrowed, strict=True):
+            for g, params in zip(groups, calls, strict=True):
                 g["params"] = params
             self._step()
         finally:
@@ -150,19 +258,18 @@ class ChunkStepper:
     def _rescan(self, infos: Sequence[ParamInfo], views: Views, fresh: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
         fresh_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         for info in infos:
-            state = self.inner.state.get(info.param)
-            if not state:
+            entry = self.inner.state.get(info.param)
+            if not entry:
                 continue
             specs = {s.key: s for s in info.state_specs}
-            unplanned = [k for k, v in state.items() if self.adapter.is_offloaded(k, v) and k not in specs]
+            unplanned = [k for k, v in entry.items() if self.adapter.is_offloaded(k, v) and k not in specs]
             if unplanned:
                 raise RuntimeError(
                     f"the inner optimizer created state {unplanned} for param {info.index}, which the chunk plan "
-                    f"does not hold (planned: {sorted(specs)}). If hyperparameters that add state (amsgrad, "
-                    "momentum, centered) changed, call opt.replan(); otherwise the adapter does not match the optimizer"
+                    f"does not hold (planned: {sorted(specs)}); the adapter does not match the optimizer"
                 )
             for key, spec in specs.items():
-                t = state.get(key)
+                t = entry.get(key)
                 if t is None:
                     continue
                 home = self.homes[info.index][key]
@@ -174,22 +281,15 @@ class ChunkStepper:
                     if t is not view:
                         _check_matches(t, spec, info.index)
                         view.copy_(t)
-                state[key] = home
+                bind(entry, key, home)
         return fresh_pairs
-
-    def _rebind_homes(self, infos: Sequence[ParamInfo]) -> None:
-        for info in infos:
-            state = self.inner.state.get(info.param)
-            if state:
-                for spec in info.state_specs:
-                    if spec.key in state:
-                        state[spec.key] = self.homes[info.index][spec.key]
 
 
 def _check_matches(t: torch.Tensor, spec: TensorSpec, index: int) -> None:
-    if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+    strides_match = all(a == b for a, b, n in zip(t.stride(), spec.stride, spec.shape, strict=False) if n > 1)
+    if tuple(t.shape) != spec.shape or t.dtype != spec.dtype or not strides_match:
         raise RuntimeError(
-            f"the inner optimizer created state {spec.key!r} for param {index} with shape {tuple(t.shape)} and dtype "
-            f"{t.dtype}, but the chunk plan expected shape {spec.shape} and dtype {spec.dtype}; the adapter does not "
-            "match the optimizer"
+            f"the inner optimizer created state {spec.key!r} for param {index} with shape {tuple(t.shape)}, strides "
+            f"{tuple(t.stride())} and dtype {t.dtype}, but the chunk plan expected shape {spec.shape}, strides "
+            f"{spec.stride} and dtype {spec.dtype}; the adapter does not match the optimizer"
         )

@@ -6,14 +6,17 @@ import logging
 
 import torch
 
-from .base import Adapter, GroupCounters, KeyedAdapter, is_dense, spec_of
-from .torch_optim import GenericAdapter, torch_adapter
+from .base import Adapter, GroupCounters, KeyedAdapter, hparams_signature, is_dense, spec_of
+from .generic import GenericAdapter
+from .torch_optim import torch_adapter
 
 __all__ = [
     "Adapter",
     "GenericAdapter",
     "GroupCounters",
     "KeyedAdapter",
+    "check_groups",
+    "hparams_signature",
     "is_dense",
     "refusal_reason",
     "resolve_adapter",
@@ -22,7 +25,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# (substring of the lower-cased class name, why it cannot be chunked). DESIGN.md contract 7.
+# (substring of the lower-cased class name, why it cannot be chunked). Design contract 7.
 _REFUSED_NAMES = [
     ("lbfgs", "it keeps one history over the flattened gradient of every parameter and re-evaluates closures"),
     ("sparseadam", "it needs sparse gradients, which cannot be staged as dense chunks"),
@@ -46,8 +49,23 @@ def refusal_reason(inner: torch.optim.Optimizer) -> str | None:
     return None
 
 
+def check_groups(inner: torch.optim.Optimizer) -> None:
+    """Refuse group settings that no adapter can chunk; raise before anything is modified.
+
+    Raises:
+        ValueError: ``differentiable=True`` (the update is part of an autograd graph across all params).
+    """
+    for gi, group in enumerate(inner.param_groups):
+        if group.get("differentiable", False):
+            raise ValueError(
+                f"param group {gi} has differentiable=True: a differentiable step builds one autograd graph "
+                "through the update of every parameter, and chunked offload swaps the state tensors under it. "
+                "Use differentiable=False (the default)"
+            )
+
+
 def resolve_adapter(inner: torch.optim.Optimizer, adapter: Adapter | None = None) -> Adapter:
-    """The adapter for ``inner``: the one given, an explicit torch adapter, or the probing generic adapter.
+    """The adapter for ``inner``: the one given, an explicit adapter, or the probing generic adapter.
 
     Raises:
         TypeError: ``inner`` cannot be chunked correctly.

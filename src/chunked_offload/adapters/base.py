@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
 
+from ..masters import dense_spec
 from ..planner import Role, TensorSpec
 
-__all__ = ["Adapter", "GroupCounters", "is_dense", "spec_of"]
+__all__ = ["Adapter", "GroupCounters", "KeyedAdapter", "hparams_signature", "is_dense", "spec_of"]
 
 
 def is_dense(t: torch.Tensor) -> bool:
@@ -27,13 +28,25 @@ def is_dense(t: torch.Tensor) -> bool:
 
 
 def spec_of(key: str, t: torch.Tensor) -> TensorSpec:
-    """The TensorSpec of an existing state tensor."""
-    if not is_dense(t):
-        raise ValueError(
-            f"state tensor {key!r} with shape {tuple(t.shape)} and strides {tuple(t.stride())} is not dense; "
-            "chunked offload keeps each state tensor as one dense block"
-        )
-    return TensorSpec(key, Role.STATE, tuple(t.shape), tuple(t.stride()), t.dtype)
+    """The TensorSpec of a home for an existing state tensor: its layout where dense, else contiguous."""
+    return dense_spec(key, Role.STATE, t, t.dtype)
+
+
+def hparams_signature(group: dict[str, Any]) -> Hashable:
+    """A hashable summary of a param group's hyperparameters (tensors by dtype and shape, not value)."""
+
+    def norm(v: Any) -> Hashable:
+        if isinstance(v, torch.Tensor):
+            return ("tensor", v.dtype, tuple(v.shape))
+        if isinstance(v, (list, tuple)):
+            return tuple(norm(x) for x in v)
+        try:
+            hash(v)
+        except TypeError:
+            return repr(v)
+        return v  # type: ignore[no-any-return]
+
+    return tuple(sorted((k, norm(v)) for k, v in group.items() if k != "params"))
 
 
 class Adapter:
@@ -41,21 +54,35 @@ class Adapter:
 
     Subclasses say which state tensors the inner optimizer creates lazily for a parameter (so the host arena can be
     laid out before the first step) and refuse what cannot be chunked. Everything else is shared: a state value
-    moves when it is a tensor with at least one dimension; 0-dim tensors (Adam's ``step``) and non-tensors stay
-    where the inner optimizer put them (contract 5 in DESIGN.md).
+    moves when it is a tensor with at least one dimension; 0-dim tensors (Adam's ``step``, the moments of a 0-dim
+    param) and non-tensors stay where the inner optimizer put them (contract 5 in the design notes).
 
     Args:
         inner: the wrapped optimizer.
     """
 
     name = "base"
+    #: Existing state that does not match :meth:`predict_state` (a missing required key, another shape or dtype)
+    #: makes the inner optimizer fail; the wrapper then refuses the step before anything is modified.
+    strict = False
 
     def __init__(self, inner: torch.optim.Optimizer) -> None:
         self.inner = inner
 
     def predict_state(self, stepped: torch.Tensor, group: dict[str, Any]) -> list[TensorSpec]:
-        """Specs of the state the inner optimizer will create for a tensor like ``stepped`` (a meta tensor)."""
+        """Specs of the state that moves for a tensor like ``stepped`` (a meta tensor); 0-dim state excluded."""
+        return [s for s in self._predict(stepped, group) if s.dim > 0]
+
+    def _predict(self, stepped: torch.Tensor, group: dict[str, Any]) -> list[TensorSpec]:
         raise NotImplementedError
+
+    def layout_signature(self, group: dict[str, Any]) -> Hashable:
+        """Changes whenever :meth:`predict_state` may change for this group (a hyperparameter that adds state)."""
+        return hparams_signature(group)
+
+    def lazy_keys(self, group: dict[str, Any]) -> frozenset[str]:
+        """Predicted keys the inner optimizer creates on any step when they are missing (SGD's momentum buffer)."""
+        return frozenset()
 
     def is_offloaded(self, key: str, value: object) -> bool:
         """Whether a state value moves to the host arena."""
@@ -65,10 +92,23 @@ class Adapter:
         """Whether the inner optimizer keeps fp32 masters itself (then the wrapper must not add its own)."""
         return False
 
+    def check_config(self) -> None:
+        """Refuse inner-optimizer settings that cannot be chunked (raise TypeError / ValueError)."""
+
+    def begin_step(self, stepped_dtype: Callable[[torch.Tensor], torch.dtype]) -> None:
+        """Called once per outer step before any chunk: decide what the inner optimizer decides per group."""
+
+    def extra_params(self, group_index: int, chunk_params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Throwaway params to add to one group of one chunk's call so that it takes the whole group's code path.
+
+        Their state is dropped after the chunk. The default adds none.
+        """
+        return []
+
 
 def like(keys: Sequence[str], stepped: torch.Tensor) -> list[TensorSpec]:
     """Specs for state tensors created as ``torch.zeros_like(stepped)`` (or a clone of its grad)."""
-    return [TensorSpec(k, Role.STATE, tuple(stepped.shape), tuple(stepped.stride()), stepped.dtype) for k in keys]
+    return [dense_spec(k, Role.STATE, stepped, stepped.dtype) for k in keys]
 
 
 class KeyedAdapter(Adapter):
@@ -78,17 +118,33 @@ class KeyedAdapter(Adapter):
         inner: the wrapped optimizer.
         keys_for_group: the state keys the inner optimizer creates, given a param group's hyperparameters.
         name: adapter name, for messages.
+        lazy: keys the inner optimizer creates whenever they are missing, even in a non-empty state entry.
+        strict: whether existing state must match the prediction (see :attr:`Adapter.strict`).
     """
 
     def __init__(
-        self, inner: torch.optim.Optimizer, keys_for_group: Callable[[dict[str, Any]], list[str]], name: str
+        self,
+        inner: torch.optim.Optimizer,
+        keys_for_group: Callable[[dict[str, Any]], list[str]],
+        name: str,
+        *,
+        lazy: Sequence[str] = (),
+        strict: bool = False,
     ) -> None:
         super().__init__(inner)
         self._keys_for_group = keys_for_group
+        self._lazy = frozenset(lazy)
         self.name = name
+        self.strict = strict
 
-    def predict_state(self, stepped: torch.Tensor, group: dict[str, Any]) -> list[TensorSpec]:
+    def _predict(self, stepped: torch.Tensor, group: dict[str, Any]) -> list[TensorSpec]:
         return like(self._keys_for_group(group), stepped)
+
+    def layout_signature(self, group: dict[str, Any]) -> Hashable:
+        return tuple(self._keys_for_group(group))
+
+    def lazy_keys(self, group: dict[str, Any]) -> frozenset[str]:
+        return self._lazy
 
 
 class GroupCounters:
@@ -96,7 +152,8 @@ class GroupCounters:
 
     The inner optimizer's step runs once per chunk. Before every chunk the groups are restored to their values at
     the start of the outer step; after a chunk, each group that had params in it remembers its values; at the end
-    every group gets the values from the last chunk that stepped it.
+    every group gets the values from the last chunk that stepped it. A chunk that fails records nothing, so its
+    group keeps the values of the chunks committed before it.
 
     Args:
         groups: the inner optimizer's ``param_groups``.

@@ -1,18 +1,17 @@
-"""Adapters for torch.optim: explicit layouts for the common families, a probing adapter for the rest."""
+"""Explicit adapters for every per-parameter optimizer in torch.optim."""
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from ..planner import TensorSpec
-from .base import Adapter, KeyedAdapter, spec_of
+from ..masters import dense_spec
+from ..planner import Role, TensorSpec
+from .base import Adapter, KeyedAdapter
 
-__all__ = ["GenericAdapter", "torch_adapter"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["AdafactorAdapter", "SGDAdapter", "torch_adapter"]
 
 
 def _adam_keys(group: dict[str, Any]) -> list[str]:
@@ -32,69 +31,123 @@ def _rmsprop_keys(group: dict[str, Any]) -> list[str]:
     return keys
 
 
-def _adagrad_keys(group: dict[str, Any]) -> list[str]:
-    return ["sum"]
+def _fixed(*keys: str) -> Callable[[dict[str, Any]], list[str]]:
+    return lambda group: list(keys)
 
 
-def _muon_keys(group: dict[str, Any]) -> list[str]:
-    return ["momentum_buffer"]
+class SGDAdapter(KeyedAdapter):
+    """torch.optim.SGD: a momentum buffer, created lazily, and torch's group-wide choice of code path.
+
+    With ``foreach``, torch updates the momentum buffers of a (device, dtype) group with ``_foreach`` kernels only
+    when every param of the call has one; if any is missing (its first grad came late) the whole group takes the
+    per-tensor path, which rounds differently in bf16. Chunking splits the call, so each chunk's call gets a
+    throwaway param without a buffer wherever the whole group would have taken the per-tensor path. Fused SGD
+    raises when buffers are mixed; the wrapper raises the same error before anything is modified.
+    """
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        super().__init__(inner, _sgd_keys, "torch.SGD", lazy=["momentum_buffer"], strict=True)
+        self._per_tensor: set[tuple[int, torch.dtype, torch.device]] = set()
+
+    def begin_step(self, stepped_dtype: Callable[[torch.Tensor], torch.dtype]) -> None:
+        self._per_tensor = set()
+        state = self.inner.state
+        for gi, group in enumerate(self.inner.param_groups):
+            if group.get("momentum", 0) == 0:
+                continue
+            missing: set[tuple[torch.dtype, torch.device]] = set()
+            present: set[tuple[torch.dtype, torch.device]] = set()
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                key = (stepped_dtype(p), p.device)
+                entry = state.get(p)
+                (present if entry and entry.get("momentum_buffer") is not None else missing).add(key)
+            if group.get("fused") and missing and present:
+                raise TypeError(
+                    f"fused SGD cannot step param group {gi}: some of its params have a momentum buffer and some do "
+                    "not (their first grad came late), and torch's fused kernel raises on that mix; plain torch "
+                    "fails here too. Use foreach=True, or give every param a grad on the first step"
+                )
+            self._per_tensor |= {(gi, *key) for key in missing}
+
+    def extra_params(self, group_index: int, chunk_params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        group = self.inner.param_groups[group_index]
+        if group.get("momentum", 0) == 0 or group.get("fused") or not self._uses_foreach(group, chunk_params):
+            return []
+        state = self.inner.state
+        extras = []
+        keys = {(p.dtype, p.device) for p in chunk_params if p.grad is not None}
+        for dtype, device in sorted(keys, key=str):
+            if (group_index, dtype, device) not in self._per_tensor:
+                continue
+            group_params = [p for p in chunk_params if p.grad is not None and (p.dtype, p.device) == (dtype, device)]
+            if all((state.get(p) or {}).get("momentum_buffer") is not None for p in group_params):
+                dummy = torch.zeros(1, dtype=dtype, device=device)
+                dummy.grad = torch.zeros(1, dtype=dtype, device=device)
+                extras.append(dummy)
+        return extras
+
+    @staticmethod
+    def _uses_foreach(group: dict[str, Any], params: Sequence[torch.Tensor]) -> bool:
+        foreach = group.get("foreach")
+        if foreach is None:
+            from torch.optim.optimizer import _default_to_fused_or_foreach
+
+            _, foreach = _default_to_fused_or_foreach(list(params), group.get("differentiable", False), False)
+        return bool(foreach)
 
 
-def _known() -> list[tuple[type, Any, str]]:
-    table: list[tuple[type, Any, str]] = [
-        (torch.optim.AdamW, _adam_keys, "torch.AdamW"),
-        (torch.optim.Adam, _adam_keys, "torch.Adam"),
-        (torch.optim.SGD, _sgd_keys, "torch.SGD"),
-        (torch.optim.RMSprop, _rmsprop_keys, "torch.RMSprop"),
-        (torch.optim.Adagrad, _adagrad_keys, "torch.Adagrad"),
+class AdafactorAdapter(Adapter):
+    """torch.optim.Adafactor: factored second moments (a row and a column vector) for params of 2+ dims."""
+
+    name = "torch.Adafactor"
+    strict = True
+
+    def _predict(self, stepped: torch.Tensor, group: dict[str, Any]) -> list[TensorSpec]:
+        if stepped.dim() <= 1:
+            return [dense_spec("variance", Role.STATE, stepped, stepped.dtype)]
+        shape = tuple(stepped.shape)
+        row, col = shape[:-1] + (1,), shape[:-2] + (1,) + shape[-1:]
+        return [_contiguous("row_var", row, stepped.dtype), _contiguous("col_var", col, stepped.dtype)]
+
+    def layout_signature(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("variance", "row_var", "col_var")
+
+
+def _contiguous(key: str, shape: tuple[int, ...], dtype: torch.dtype) -> TensorSpec:
+    stride = tuple(torch.empty(shape, device="meta").stride())
+    return TensorSpec(key, Role.STATE, shape, stride, dtype)
+
+
+def _known() -> list[tuple[type, Callable[[torch.optim.Optimizer], Adapter]]]:
+    def keyed(keys: Callable[[dict[str, Any]], list[str]], name: str, **kw: Any) -> Callable[..., Adapter]:
+        return lambda inner: KeyedAdapter(inner, keys, name, strict=True, **kw)
+
+    optim = torch.optim
+    table: list[tuple[type, Callable[[torch.optim.Optimizer], Adapter]]] = [
+        (optim.AdamW, keyed(_adam_keys, "torch.AdamW")),
+        (optim.Adam, keyed(_adam_keys, "torch.Adam")),
+        (optim.SGD, SGDAdapter),
+        (optim.RMSprop, keyed(_rmsprop_keys, "torch.RMSprop")),
+        (optim.Adagrad, keyed(_fixed("sum"), "torch.Adagrad")),
+        (optim.NAdam, keyed(_fixed("exp_avg", "exp_avg_sq"), "torch.NAdam")),
+        (optim.RAdam, keyed(_fixed("exp_avg", "exp_avg_sq"), "torch.RAdam")),
+        (optim.Adamax, keyed(_fixed("exp_avg", "exp_inf"), "torch.Adamax")),
+        (optim.ASGD, keyed(_fixed("ax"), "torch.ASGD")),
+        (optim.Rprop, keyed(_fixed("prev", "step_size"), "torch.Rprop")),
+        (optim.Adadelta, keyed(_fixed("square_avg", "acc_delta"), "torch.Adadelta")),
     ]
-    muon = getattr(torch.optim, "Muon", None)
-    if muon is not None:
-        table.append((muon, _muon_keys, "torch.Muon"))
+    if hasattr(optim, "Adafactor"):
+        table.append((optim.Adafactor, AdafactorAdapter))
+    if hasattr(optim, "Muon"):
+        table.append((optim.Muon, keyed(_fixed("momentum_buffer"), "torch.Muon", lazy=["momentum_buffer"])))
     return table
 
 
 def torch_adapter(inner: torch.optim.Optimizer) -> Adapter | None:
-    """The explicit adapter for a torch.optim family (exact class match), or None."""
-    for cls, keys, name in _known():
+    """The explicit adapter for a torch.optim optimizer (exact class match), or None."""
+    for cls, make in _known():
         if type(inner) is cls:
-            return KeyedAdapter(inner, keys, name)
+            return make(inner)
     return None
-
-
-class GenericAdapter(Adapter):
-    """Any per-parameter optimizer: the state layout is found by stepping a probe.
-
-    For each distinct (shape, strides, dtype, hyperparameters) a fresh instance of the inner optimizer's class,
-    built with the group's hyperparameters over one CPU tensor of that shape, takes one step; the state it creates
-    is the layout. This assumes the update of each parameter depends on that parameter alone, which the wrapper
-    cannot check: optimizers with cross-parameter reductions must not use it (see adapters/__init__.py).
-    """
-
-    name = "generic"
-
-    def __init__(self, inner: torch.optim.Optimizer) -> None:
-        super().__init__(inner)
-        self._cache: dict[tuple[Any, ...], list[TensorSpec]] = {}
-
-    def predict_state(self, stepped: torch.Tensor, group: dict[str, Any]) -> list[TensorSpec]:
-        hparams = {k: v for k, v in group.items() if k != "params"}
-        key = (tuple(stepped.shape), tuple(stepped.stride()), stepped.dtype, repr(sorted(hparams.items())))
-        if key not in self._cache:
-            self._cache[key] = self._probe(stepped, hparams)
-        return self._cache[key]
-
-    def _probe(self, stepped: torch.Tensor, hparams: dict[str, Any]) -> list[TensorSpec]:
-        cls: Any = type(self.inner)
-        probe_param = torch.zeros_like(stepped, device="cpu")
-        probe_param.grad = torch.full_like(probe_param, 1e-3)
-        try:
-            probe = cls([{"params": [probe_param], **hparams}])
-            probe.step()
-        except Exception as exc:
-            raise TypeError(
-                f"cannot infer the state layout of {cls.__module__}.{cls.__qualname__}: one step of a fresh "
-                f"instance on a CPU tensor of shape {tuple(stepped.shape)} failed ({type(exc).__name__}: {exc}). "
-                "Pass adapter=<an Adapter subclass instance> that predicts its state"
-            ) from exc
-        return [spec_of(k, v) for k, v in probe.state[probe_param].items() if self.is_offloaded(k, v)]

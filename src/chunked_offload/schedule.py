@@ -1,0 +1,216 @@
+"""StepSchedule: one outer step's chunks over the staging slots and the copy streams, with rollback on failure."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .adapters import GroupCounters
+from .layout import Layout, Views, chunk_views
+from .planner import Chunk, Home, Role
+from .staging import Slot, SlotState, StagingPool
+from .stepping import ChunkStepper, ChunkTxn
+from .transfer import TransferEngine
+
+__all__ = ["StepSchedule"]
+
+logger = logging.getLogger(__name__)
+
+_NON_STATE = (Role.MASTER, Role.REMAINDER, Role.TIE_BITS, Role.SCRATCH)
+
+Pairs = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class _Pending:
+    """A stepped chunk whose write-back is not enqueued yet."""
+
+    slot: Slot
+    txn: ChunkTxn
+    pairs: Pairs
+    retain: list[torch.Tensor] = field(default_factory=list)
+    committing: bool = False
+
+
+class StepSchedule:
+    """Runs one outer step: every chunk with a grad is staged, stepped by the inner optimizer and written back.
+
+    [Note: Step schedule]
+    The steps of one outer step, in order:
+    1. Each chunk with at least one grad runs either *staged* (it has state: its bytes come in from its home) or
+       *fresh* (no state yet: the inner optimizer creates it on the device, inside the window).
+    2. If any chunk is staged, the slots take their memory ([Note: Slot memory between steps]).
+    3. The H2D of the first ``num_slots - 1`` staged chunks starts.
+    4. For each chunk ``i``: the H2D of chunk ``i + num_slots - 1`` starts; the compute stream waits for chunk
+       ``i``'s H2D; the stepper runs the inner step on it as a transaction ([Note: Chunk transactions]); its
+       write-back is enqueued on the D2H stream. From that moment the chunk is committed.
+    5. Fresh tensors and the slots' memory go back to the allocator, recorded on the D2H stream.
+    The waits between the streams are those of [Note: Two-slot staging] (staging.py), made in transfer.py.
+
+    On failure (an exception in the inner step, an interrupt, an OOM while taking memory) the failing chunk is
+    rolled back, or rolled forward if its write-back was already being enqueued; the write-backs of the committed
+    chunks land; the slots return to FREE and their memory to the allocator; and the exception propagates with a
+    note that says which chunks were committed. Chunks after the failing one are untouched: their H2D only read
+    their homes. A later ``step()`` behaves as plain torch would from that state.
+
+    Args:
+        layout: the homes and the plan.
+        stepper: runs the inner step on one chunk.
+        engine: the copy streams.
+        pool: the staging slots.
+    """
+
+    def __init__(self, layout: Layout, stepper: ChunkStepper, engine: TransferEngine, pool: StagingPool) -> None:
+        self.layout = layout
+        self.stepper = stepper
+        self.engine = engine
+        self.pool = pool
+
+    def run(self, chunks: Sequence[Chunk], counters: GroupCounters, *, skip_staged: bool = False) -> None:
+        """Step ``chunks`` (each has at least one grad); ``skip_staged`` steps only chunks without state yet."""
+        fresh = [not self._has_state(c) for c in chunks]
+        if skip_staged:
+            chunks = [c for c, f in zip(chunks, fresh, strict=True) if f]
+            fresh = [True] * len(chunks)
+        if not chunks:
+            return
+        engine, pool = self.engine, self.pool
+        events: dict[int, torch.cuda.Event | None] = {}
+        pending: _Pending | None = None
+        position, committed = -1, 0
+        try:
+            if not all(fresh):
+                pool.acquire(self.layout.plan.slot_nbytes)
+            engine.begin_step()
+            lookahead = len(pool.slots) - 1
+            for pos in range(min(lookahead, len(chunks))):
+                if not fresh[pos]:
+                    events[pos] = self._stage(chunks[pos], pool.slot_for(pos))
+            for pos, chunk in enumerate(chunks):
+                position = pos
+                ahead = pos + lookahead
+                if ahead < len(chunks) and not fresh[ahead] and ahead not in events:
+                    events[ahead] = self._stage(chunks[ahead], pool.slot_for(ahead))
+                slot = pool.slot_for(pos)
+                if fresh[pos]:
+                    pending = self._step_fresh(chunk, slot, counters)
+                else:
+                    if pos not in events:
+                        events[pos] = self._stage(chunk, slot)
+                    pending = self._step_staged(chunk, slot, events.pop(pos), counters)
+                pending.committing = True
+                engine.write_back(pending.slot, pending.pairs, pending.retain)
+                pending = None
+                committed += 1
+        except BaseException as exc:
+            if self._abort(pending):
+                committed += 1
+            _annotate(exc, chunks, position, committed)
+            raise
+        engine.end_step(pool.slots)
+        pool.release(engine.d2h_stream)
+
+    # ------------------------------------------------------------------ one chunk
+    def _home_region(self, chunk: Chunk, nbytes: int) -> torch.Tensor:
+        if chunk.home is Home.HOST:
+            return self.layout.arena.region(chunk.home_offset, nbytes)
+        flat = self.layout.resident_flat
+        if flat is None:
+            raise RuntimeError("the resident chunks have no memory; call opt.reload()")
+        return flat[chunk.home_offset : chunk.home_offset + nbytes]
+
+    def _stage(self, chunk: Chunk, slot: Slot) -> torch.cuda.Event | None:
+        """The H2D (a D2D for resident chunks) of a chunk that has state; see [Note: Two-slot staging]."""
+        n = chunk.transfer_nbytes
+        buffer = slot.buffer
+        if buffer is None:
+            raise RuntimeError("the staging slots have no memory while a chunk is staged")
+        return self.engine.stage_in(slot, [(buffer[:n], self._home_region(chunk, n))] if n else [])
+
+    def _step_staged(
+        self, chunk: Chunk, slot: Slot, h2d_event: torch.cuda.Event | None, counters: GroupCounters
+    ) -> _Pending:
+        self.engine.wait_staged(slot, h2d_event)
+        buffer = slot.buffer
+        if buffer is None:
+            raise RuntimeError("the staging slots have no memory while a chunk is staged")
+        views = chunk_views(chunk, self.layout.infos, buffer)
+        _, txn = self.stepper.run(chunk, views, counters, fresh=False)
+        n = chunk.transfer_nbytes
+        return _Pending(slot, txn, [(self._home_region(chunk, n), buffer[:n])] if n else [])
+
+    def _step_fresh(self, chunk: Chunk, slot: Slot, counters: GroupCounters) -> _Pending:
+        """First step of a chunk: the inner optimizer creates its state on the device; D2H reads it directly."""
+        engine = self.engine
+        engine.reclaim(slot)  # bound: at most num_slots chunks of fresh tensors exist at once
+        wrapper_nbytes = chunk.region_nbytes[1]
+        extra = wrapper_nbytes + chunk.region_nbytes[2]
+        device = self.pool.device
+        temp = torch.empty(extra, dtype=torch.uint8, device=device) if extra else None
+        wrapper_home = self._home_region_at(chunk, chunk.state_nbytes, wrapper_nbytes)
+        h2d = [(temp[:wrapper_nbytes], wrapper_home)] if temp is not None and wrapper_nbytes else []
+        event = engine.stage_in(slot, h2d, fresh_memory=True)
+        engine.wait_staged(slot, event)
+        if temp is None:
+            views: Views = {i: {} for i in chunk.params}
+        else:
+            views = chunk_views(chunk, self.layout.infos, temp, shift=chunk.state_nbytes, roles=_NON_STATE)
+        fresh_pairs, txn = self.stepper.run(chunk, views, counters, fresh=True)
+        pairs = list(fresh_pairs)
+        retain = [t for _, t in fresh_pairs]
+        if temp is not None:
+            if wrapper_nbytes:
+                pairs.append((wrapper_home, temp[:wrapper_nbytes]))
+            retain.append(temp)
+        return _Pending(slot, txn, pairs, retain)
+
+    def _home_region_at(self, chunk: Chunk, offset: int, nbytes: int) -> torch.Tensor:
+        return self._home_region(chunk, offset + nbytes)[offset:]
+
+    def _has_state(self, chunk: Chunk) -> bool:
+        if chunk.state_nbytes == 0:
+            return True
+        state, infos = self.stepper.inner.state, self.layout.infos
+        for i in chunk.params:
+            info = infos[i]
+            entry = state.get(info.param)
+            if entry and any(key in entry for key in info.state_keys):
+                return True
+        return False
+
+    # ------------------------------------------------------------------ failure
+    def _abort(self, pending: _Pending | None) -> bool:
+        """Roll the failing chunk back (or forward), let committed write-backs land, free every slot.
+
+        Returns whether the failing chunk was rolled forward (committed).
+        """
+        forward = pending is not None and pending.committing
+        if pending is not None:
+            if forward:
+                # Its write-back was being enqueued: the slot holds the committed bytes, so enqueue it in full.
+                pending.slot.state = SlotState.READY
+                self.engine.write_back(pending.slot, pending.pairs, pending.retain)
+            else:
+                pending.txn.rollback()
+        self.engine.drain(self.pool.slots)
+        self.pool.release(None)
+        return forward
+
+
+def _annotate(exc: BaseException, chunks: Sequence[Chunk], position: int, committed: int) -> None:
+    if position < 0:
+        note = "chunked_offload: step() failed before any chunk was stepped; nothing was modified"
+    else:
+        chunk = chunks[position]
+        fate = "was committed too (its write-back was being enqueued)" if committed > position else "was rolled back"
+        note = (
+            f"chunked_offload: step() failed in chunk {chunk.index} (params {chunk.params[0]}..{chunk.params[-1]}), "
+            f"chunk {position + 1} of the {len(chunks)} with grads: the {position} before it were committed, it "
+            f"{fate}, and the {len(chunks) - position - 1} after it are untouched"
+        )
+    logger.warning("%s (%s: %s)", note, type(exc).__name__, exc)
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
