@@ -1,0 +1,187 @@
+"""Fault injection at every point of a step: a chunk commits whole or not at all, and the wrapper stays usable."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+
+from chunked_offload import ChunkedOffloadOptimizer
+from chunked_offload.schedule import StepSchedule
+from chunked_offload.staging import StagingPool
+from chunked_offload.stepping import ChunkStepper
+from chunked_offload.transfer import TransferEngine
+from reference import ODD_SHAPES, assert_equal, assert_states_equal, make_grads, make_params, run_steps, set_grads
+
+SHAPES = [*ODD_SHAPES, (9, 8), (30,)]
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "adamw": {},
+    "adamw-resident": {"offload_fraction": 0.5},
+    "adamw-fp32-masters": {"master_weights": "fp32"},
+    "adamw-remainder": {"master_weights": "remainder"},
+    "sgd-momentum": {},
+}
+
+
+def _inner(config: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    if config.startswith("sgd"):
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
+
+
+def _dtype(config: str) -> torch.dtype:
+    return torch.bfloat16 if "masters" in config or "remainder" in config else torch.float32
+
+
+def _wrap(config: str, params: list[torch.nn.Parameter]) -> ChunkedOffloadOptimizer:
+    return ChunkedOffloadOptimizer(_inner(config, params), chunk_size_mb=0.002, **CONFIGS[config])
+
+
+class Injected(RuntimeError):
+    pass
+
+
+def _raiser(kind: str) -> Callable[[], None]:
+    def fire() -> None:
+        if kind == "interrupt":
+            raise KeyboardInterrupt
+        if kind == "oom":
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        raise Injected("injected")
+
+    return fire
+
+
+@contextmanager
+def _fault(monkeypatch: pytest.MonkeyPatch, point: str, target: int) -> Iterator[None]:
+    """Make the ``target``-th chunk of the next step fail at ``point``; every other call runs as usual."""
+    calls = {"n": 0}
+
+    def wrap(cls: Any, name: str, kind: str, after: bool = False, counted: bool = True) -> None:
+        original = getattr(cls, name)
+
+        def patched(*args: Any, **kwargs: Any) -> Any:
+            hit = calls["n"] == target
+            if counted:
+                calls["n"] += 1
+            if hit and not after:
+                _raiser(kind)()
+            out = original(*args, **kwargs)
+            if hit and after:
+                _raiser(kind)()
+            return out
+
+        monkeypatch.setattr(cls, name, patched)
+
+    if point == "inner-before":
+        wrap(ChunkStepper, "_narrowed_step", "error")
+    elif point == "inner-after":
+        wrap(ChunkStepper, "_narrowed_step", "error", after=True)
+    elif point == "inner-interrupt":
+        wrap(ChunkStepper, "_narrowed_step", "interrupt", after=True)
+    elif point == "before-write-back":
+        wrap(ChunkStepper, "_rescan", "interrupt")
+    elif point == "write-back":
+        wrap(TransferEngine, "write_back", "interrupt")
+    elif point == "h2d":
+        wrap(StepSchedule, "_stage", "oom")
+    elif point == "fresh-alloc":
+        wrap(StepSchedule, "_step_fresh", "oom")
+    elif point == "slots":
+        original = StagingPool.acquire
+
+        def acquire(self: StagingPool, nbytes: int) -> None:
+            self.slots[0].buffer = torch.empty(nbytes, dtype=torch.uint8)  # one slot allocated, then OOM
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+        monkeypatch.setattr(StagingPool, "acquire", acquire)
+    try:
+        yield
+    finally:
+        monkeypatch.undo()
+
+
+def _committed(exc: BaseException, n_chunks: int) -> int:
+    """How many chunks (in step order) the exception's note says were committed."""
+    note = "".join(getattr(exc, "__notes__", []))
+    if "before any chunk was stepped" in note:
+        return 0
+    match = re.search(r"chunk (\d+) of the (\d+) with grads: the (\d+) before it were committed, it (was \w+)", note)
+    assert match, f"no commit note on {exc!r}: {note!r}"
+    position, total, before, fate = int(match[1]) - 1, int(match[2]), int(match[3]), match[4]
+    assert total == n_chunks and before == position
+    return before + (1 if fate == "was committed" else 0)
+
+
+POINTS = [
+    "inner-before",
+    "inner-after",
+    "inner-interrupt",
+    "before-write-back",
+    "write-back",
+    "h2d",
+    "fresh-alloc",
+    "slots",
+]
+
+
+@pytest.mark.parametrize("target", [0, 2, -1], ids=["first", "middle", "last"])
+@pytest.mark.parametrize("step", ["first", "later"])
+@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_a_failed_step_commits_whole_chunks_and_a_retry_matches(
+    monkeypatch: pytest.MonkeyPatch, config: str, point: str, step: str, target: int
+) -> None:
+    if (point == "fresh-alloc") != (step == "first") and point in ("fresh-alloc", "h2d", "slots"):
+        pytest.skip("fresh chunks allocate their own memory; staged chunks take slots and an H2D")
+    dtype = _dtype(config)
+    params = make_params(SHAPES, dtype)
+    opt = _wrap(config, params)
+    chunks = opt.plan.all_chunks
+    assert len(chunks) >= 4
+    # The oracle: a clean twin (or plain torch, without masters) stepped with grads only on committed chunks.
+    twin_params = make_params(SHAPES, dtype)
+    twin: Any = _wrap(config, twin_params) if dtype == torch.bfloat16 else _inner(config, twin_params)
+    first = 0 if step == "first" else 2
+    if first:
+        run_steps(opt, params, first)
+        run_steps(twin, twin_params, first)
+    target = target % len(chunks)
+    if point == "h2d":
+        target = max(target, 1)  # the H2D of chunk i starts while chunk i - 1 steps
+    set_grads(params, make_grads(params, first))
+    with (
+        _fault(monkeypatch, point, target),
+        pytest.raises((Injected, KeyboardInterrupt, torch.OutOfMemoryError)) as info,
+    ):
+        opt.step()
+
+    assert all(slot.state.value == "free" and slot.buffer is None for slot in opt._pool.slots)
+    assert not opt._binding.stepping
+    committed = _committed(info.value, len(chunks))
+    stepped = {i for c in chunks[:committed] for i in c.params}
+    grads = make_grads(twin_params, first)
+    set_grads(twin_params, [g if i in stepped else None for i, g in enumerate(grads)])
+    twin.step()
+    twin.zero_grad()
+    _assert_same(twin, twin_params, opt, params)
+
+    run_steps(opt, params, 3, first_step=first + 1)  # the wrapper is usable, and goes on exactly
+    run_steps(twin, twin_params, 3, first_step=first + 1)
+    _assert_same(twin, twin_params, opt, params)
+
+
+def _assert_same(ref: Any, ref_params: list[torch.nn.Parameter], opt: Any, params: list[torch.nn.Parameter]) -> None:
+    opt.synchronize()
+    for i, (a, b) in enumerate(zip(ref_params, params, strict=True)):
+        assert_equal(a, b, f"param {i}")
+    assert_states_equal(ref, ref_params, opt, params)
+    if isinstance(ref, ChunkedOffloadOptimizer):
+        masters = [m for _, m in ref.master_params()]
+        for i, (_, m) in enumerate(opt.master_params()):
+            assert_equal(masters[i], m, f"master {i}")
