@@ -93,7 +93,6 @@ def _fault(monkeypatch: pytest.MonkeyPatch, point: str, target: int) -> Iterator
     elif point == "fresh-alloc":
         wrap(StepSchedule, "_step_fresh", "oom")
     elif point == "slots":
-        original = StagingPool.acquire
 
         def acquire(self: StagingPool, nbytes: int) -> None:
             self.slots[0].buffer = torch.empty(nbytes, dtype=torch.uint8)  # one slot allocated, then OOM
