@@ -1,19 +1,60 @@
 #!/usr/bin/env bash
-# One device call: every cuda-marked test, then the step benchmark, with a short table at the end.
-#   bash scripts/gpu_check.sh [bench_step.py arguments...]
+# One device call: every cuda-marked test, the example and the benchmarks, with a short table at the end.
+#   bash scripts/gpu_check.sh [--quick] [--sanitize] [--bench NAME ...]
 # Runs with the machine's python3 and PYTHONPATH=src (no virtualenv, no install): what the GPU image has.
+# Wheels carried in .whl/ (see the device README) are installed into /tmp/site first; Transformer Engine staged
+# with ../shared/gpu/te-prepare.sh is picked up from /tmp/te-site when present.
+#   --quick     tests only (no example, no benchmarks)
+#   --sanitize  also run compute-sanitizer (memcheck, then synccheck) over a subset of the cuda tier
+#   --bench X   run benchmarks/X.py (repeatable); default: bench_step
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="src:tests${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+quick=0 sanitize=0 benches=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --quick) quick=1 ;;
+    --sanitize) sanitize=1 ;;
+    --bench) shift; benches+=("$1") ;;
+    *) echo "unknown argument $1"; exit 2 ;;
+  esac
+  shift
+done
+[ ${#benches[@]} -eq 0 ] && benches=(bench_step)
 out=${OUT:-/tmp/chunked_offload_out}
 mkdir -p "$out"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+[ -d /tmp/te-site ] && export PYTHONPATH="/tmp/te-site:${PYTHONPATH:-}"
+export PYTHONPATH="src:tests${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export CHUNKED_OFFLOAD_SHA=${CHUNKED_OFFLOAD_SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   grep -E "MemTotal|MemAvailable" /proc/meminfo
-  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } 2>&1 | tee "$out/machine.txt"
-python3 -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tee "$out/pytest_cuda.log" | tail -n 30
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+  python3 -c "import transformer_engine as te; print('transformer_engine', te.__version__)" 2>&1 | tail -n 1
+  python3 -c "import emerging_optimizers as e; print('emerging_optimizers', e.__version__)" 2>&1 | tail -n 1
+} 2>&1 | tee "$out/machine.txt"
+
+python3 -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tee "$out/pytest_cuda.log" | tail -n 40
 test_rc=${PIPESTATUS[0]}
-python3 examples/train_loop.py --steps 20 2>&1 | tee "$out/example.log" | tail -n 4
-example_rc=${PIPESTATUS[0]}
-python3 benchmarks/bench_step.py --csv "$out/bench_step.csv" "$@" 2>&1 | tee "$out/bench_step.log"
-bench_rc=${PIPESTATUS[0]}
-echo "== summary: cuda tests rc=$test_rc ($(tail -n 1 "$out/pytest_cuda.log")), example rc=$example_rc, bench rc=$bench_rc"
+summary=("cuda tests rc=$test_rc: $(tail -n 1 "$out/pytest_cuda.log")")
+
+if [ $sanitize -eq 1 ]; then
+  for tool in memcheck synccheck; do
+    compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -m cuda -p no:cacheprovider \
+      tests/cuda/test_cuda.py -k "matches_unwrapped_on_gpu or race or window" 2>&1 | tee "$out/sanitizer_$tool.log" | tail -n 5
+    summary+=("compute-sanitizer $tool rc=${PIPESTATUS[0]}: $(grep -E 'ERROR SUMMARY' "$out/sanitizer_$tool.log" | tail -n 1)")
+  done
+fi
+
+if [ $quick -eq 0 ]; then
+  python3 examples/train_loop.py --steps 20 2>&1 | tee "$out/example.log" | tail -n 4
+  summary+=("example rc=${PIPESTATUS[0]}")
+  for b in "${benches[@]}"; do
+    python3 "benchmarks/$b.py" --csv "$out/$b.csv" 2>&1 | tee "$out/$b.log"
+    summary+=("$b rc=${PIPESTATUS[0]}")
+  done
+fi
+echo "== summary"
+printf '  %s\n' "${summary[@]}"

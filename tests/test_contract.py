@@ -394,3 +394,37 @@ def test_a_saved_checkpoint_holds_the_state_and_nothing_else(mode: str) -> None:
     assert len(buf.getvalue()) <= 1.01 * payload
     loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
     assert loaded["state"][0].keys() == sd["state"][0].keys()
+
+
+# Group-level counters (Transformer Engine keeps its step in param_groups) ----------------------------------------
+class _GroupStepAdam(torch.optim.Adam):
+    """Advances ``group["step"]`` for every group on every call, params or not, as TE 2.20's FusedAdam does."""
+
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+        return super().step(closure)
+
+
+def test_group_counters_advance_once_per_step_for_every_group() -> None:
+    from chunked_offload import KeyedAdapter
+
+    def make(ps: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return _GroupStepAdam([{"params": ps[:4]}, {"params": []}, {"params": ps[4:], "lr": 3e-3}], lr=1e-2)
+
+    ref_params, params = make_params(ODD_SHAPES), make_params(ODD_SHAPES)
+    ref, inner = make(ref_params), make(params)
+    adapter = KeyedAdapter(inner, lambda g: ["exp_avg", "exp_avg_sq"], "group-step")
+    opt = ChunkedOffloadOptimizer(inner, chunk_size_mb=0.001, adapter=adapter)
+    assert len(opt.plan.chunks) > 3
+    for step in range(6):
+        for o, ps in ((ref, ref_params), (opt, params)):
+            grads = make_grads(ps, step)
+            if step == 2:
+                grads = [None] * len(grads)  # no grads at all: the inner is still called, as plain torch would be
+            elif step == 4:
+                grads = [g if i >= 4 else None for i, g in enumerate(grads)]  # one group without grads
+            set_grads(ps, grads)
+            o.step()
+    assert [g["step"] for g in opt.param_groups] == [g["step"] for g in ref.param_groups] == [6, 6, 6]
+    _assert_same(ref, ref_params, opt, params)

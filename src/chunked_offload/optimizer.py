@@ -363,8 +363,8 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         return args, kwargs
 
     def _any_grad(self, chunk: Chunk) -> bool:
-        infos = self._infos
-        return any(infos[i].param.grad is not None for i in chunk.params)
+        infos, grad_of = self._infos, self._adapter.grad_of
+        return any(grad_of(infos[i].param) is not None for i in chunk.params)
 
     def _step_skipped_by_grad_scaler(self) -> bool:
         """Whether GradScaler handed a fused inner ``found_inf`` set: its kernels would change nothing staged.
@@ -385,7 +385,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
     def _check_grads(self) -> None:
         """Every grad fits its param; checked for all chunks before any is modified."""
         for info in self._infos:
-            p, grad = info.param, info.param.grad
+            p, grad = info.param, self._adapter.grad_of(info.param)
             if grad is None:
                 continue
             where = f"param {info.index} (shape {tuple(p.shape)}, dtype {p.dtype}, device {p.device})"

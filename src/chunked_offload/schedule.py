@@ -76,6 +76,7 @@ class StepSchedule:
             chunks = [c for c, f in zip(chunks, fresh, strict=True) if f]
             fresh = [True] * len(chunks)
         if not chunks:
+            self.stepper.run_empty(counters)
             return
         engine, pool = self.engine, self.pool
         events: dict[int, torch.cuda.Event | None] = {}

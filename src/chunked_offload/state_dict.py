@@ -76,7 +76,11 @@ def save(opt: ChunkedOffloadOptimizer, *, snapshot: bool) -> dict[str, Any]:
         pre_hook(inner)
     opt.synchronize()  # every in-flight D2H lands before its host view is handed out
     sd = torch.optim.Optimizer.state_dict(opt)  # the wrapper's hooks, torch's packing, over the inner's state
-    state = {pid: dict(entry) for pid, entry in sd["state"].items()}  # never alias inner.state
+    to_checkpoint = opt.adapter.to_checkpoint
+    state = {  # never alias inner.state; tensors in the inner optimizer's own checkpoint dtypes
+        pid: {k: to_checkpoint(k, v) if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+        for pid, entry in sd["state"].items()
+    }
     for info in opt._infos:
         if info.has_master and info.index in state:
             state[info.index][MASTER_KEY] = opt._read_master(info)
@@ -232,13 +236,18 @@ def _validate(
         lacking = sorted(set(expected) - set(got) - adapter.lazy_keys(group)) if entry else []
         if lacking:
             raise ValueError(f"{where}: the checkpoint lacks state {lacking}")
+        converted = {}
         for key, value in got.items():
-            _check_tensor(where, key, value, expected.get(key))
+            spec = expected.get(key)
+            if isinstance(value, torch.Tensor) and spec is not None:
+                value = adapter.from_checkpoint(key, value, spec)
+            _check_tensor(where, key, value, spec)
+            converted[key] = value
         master = entry.get(MASTER_KEY)
         if master is not None and info.has_master:
             master_spec = TensorSpec(MASTER_KEY, Role.MASTER, tuple(info.param.shape), (), torch.float32)
             _check_tensor(where, MASTER_KEY, master, master_spec)
-        entries[index] = dict(entry)
+        entries[index] = {**entry, **converted}
     return hparams, entries, list(saved_groups)
 
 

@@ -155,7 +155,7 @@ class ChunkStepper:
         infos = [self.infos[i] for i in chunk.params]
         txn = self._record(infos)
         try:
-            stepped = [info for info in infos if info.param.grad is not None]
+            stepped = [info for info in infos if self.adapter.grad_of(info.param) is not None]
             for info in stepped:
                 if info.has_master:
                     self._prepare_master(info, views[info.index])
@@ -167,10 +167,11 @@ class ChunkStepper:
                     txn.swaps.append(self._swap_in_master(info, views[info.index]))
             if not fresh:
                 self._bind(infos, views)
+            self.adapter.verify_bound([info.param for info in infos], self.inner.state)
             counters.before_chunk()
             with record_function("chunked_offload::step_chunk"):
                 self._narrowed_step(chunk, infos, txn)
-            counters.after_chunk(sorted({info.group_index for info in infos}))
+            counters.after_chunk()
             txn.drop_extras()
             for swap in reversed(txn.swaps):
                 self._swap_out_master(swap)
@@ -179,6 +180,24 @@ class ChunkStepper:
         except BaseException:
             txn.rollback()
             raise
+
+    def run_empty(self, counters: GroupCounters) -> None:
+        """The inner step over empty groups, for an outer step in which no param has a grad.
+
+        It changes no param, but it advances what the inner advances on every call, as plain torch would
+        (Transformer Engine's ``group["step"]``).
+        """
+        groups = self.inner.param_groups
+        saved = [g["params"] for g in groups]
+        try:
+            for g in groups:
+                g["params"] = []
+            counters.before_chunk()
+            self._step()
+            counters.after_chunk()
+        finally:
+            for g, params in zip(groups, saved, strict=True):
+                g["params"] = params
 
     def _record(self, infos: Sequence[ParamInfo]) -> ChunkTxn:
         state = self.inner.state

@@ -283,3 +283,90 @@ def test_first_steps_with_large_chunks_match_reference(mode: str, num_slots: int
     for a, b in zip(ref_params, params, strict=True):
         assert_equal(a, b, "param")
     assert_states_equal(ref, masters, opt, params)
+
+
+@pytest.mark.parametrize("impl", [{"fused": True}, {"foreach": True}])
+def test_capturable_adamw_matches_unwrapped_on_gpu(impl: dict[str, bool]) -> None:
+    shapes = [*ODD_SHAPES, (257, 513)]
+    ref_params, params = make_params(shapes, torch.float32, "cuda"), make_params(shapes, torch.float32, "cuda")
+
+    def make(ps: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, capturable=True, **impl)
+
+    opt = ChunkedOffloadOptimizer(make(params), chunk_size_mb=0.064)
+    assert_runs_match(make(ref_params), ref_params, opt, params, 50, none_every=3)
+    assert all(opt.state[p]["step"].device.type == "cuda" for p in params)  # kept where capturable keeps it
+
+
+def test_memory_between_steps_returns_to_the_allocator() -> None:
+    params = make_params([(2048, 2048)] * 8, torch.float32, "cuda")
+    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(params, lr=1e-2), chunk_size_mb=32)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(3):
+        opt.step()
+        opt.synchronize()
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == before  # non-fused AdamW keeps its step counters on the host
+    reserved = torch.cuda.memory_reserved()
+    for _ in range(3):
+        opt.step()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_reserved() == reserved  # steady state: cached blocks, no new cudaMalloc
+
+
+def _triton_momentum() -> type[torch.optim.Optimizer]:
+    triton = pytest.importorskip("triton")
+    tl = pytest.importorskip("triton.language")
+
+    @triton.jit
+    def momentum_kernel(p_ptr, g_ptr, m_ptr, n, lr, beta, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        m = beta * tl.load(m_ptr + offs, mask=mask) + tl.load(g_ptr + offs, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(p_ptr + offs, tl.load(p_ptr + offs, mask=mask) - lr * m, mask=mask)
+
+    class TritonMomentum(torch.optim.Optimizer):
+        """A CUDA-only optimizer whose kernel reads raw pointers, as apex or Transformer Engine kernels do."""
+
+        def __init__(self, params: Any, lr: float = 0.1, beta: float = 0.9) -> None:
+            super().__init__(params, {"lr": lr, "beta": beta})
+
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> None:
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    if p.dtype != torch.float32:
+                        raise TypeError(f"TritonMomentum steps fp32 params only, got {p.dtype}")
+                    state = self.state[p]
+                    if not state:
+                        state["m"] = torch.zeros_like(p)
+                    n = p.numel()
+                    momentum_kernel[(triton.cdiv(n, 1024),)](
+                        p, p.grad, state["m"], n, group["lr"], group["beta"], BLOCK=1024
+                    )
+
+    return TritonMomentum
+
+
+def test_generic_probe_of_a_cuda_only_optimizer_runs_on_the_gpu() -> None:
+    cls = _triton_momentum()
+    shapes = [(257, 513), (1000,), (64, 64)]
+    ref_params, params = make_params(shapes, torch.float32, "cuda"), make_params(shapes, torch.float32, "cuda")
+    opt = ChunkedOffloadOptimizer(cls(params), chunk_size_mb=0.6)
+    assert opt.adapter.name == "generic"
+    assert_runs_match(cls(ref_params), ref_params, opt, params, 10, none_every=3)
+
+
+def test_a_failed_probe_leaves_the_cuda_context_healthy() -> None:
+    cls = _triton_momentum()
+    params = make_params([(64, 64)], torch.bfloat16, "cuda")
+    with pytest.raises(TypeError, match="one step of a fresh instance on a cuda tensor"):
+        ChunkedOffloadOptimizer(cls(params))
+    torch.cuda.synchronize()
+    assert (torch.ones(4, device="cuda") * 2).sum().item() == 8.0

@@ -7,14 +7,17 @@ import logging
 import torch
 
 from .base import Adapter, GroupCounters, KeyedAdapter, hparams_signature, is_dense, spec_of
+from .emerging import emerging_adapter
 from .generic import GenericAdapter
 from .torch_optim import torch_adapter
+from .transformer_engine import TEFusedAdamAdapter, is_te_fused_adam
 
 __all__ = [
     "Adapter",
     "GenericAdapter",
     "GroupCounters",
     "KeyedAdapter",
+    "TEFusedAdamAdapter",
     "check_groups",
     "hparams_signature",
     "is_dense",
@@ -83,9 +86,11 @@ def resolve_adapter(inner: torch.optim.Optimizer, adapter: Adapter | None = None
         if adapter.inner is not inner:
             raise ValueError("adapter was built for a different optimizer instance than the one being wrapped")
         return adapter
-    explicit = torch_adapter(inner)
+    explicit = torch_adapter(inner) or emerging_adapter(inner)
     if explicit is not None:
         return explicit
+    if is_te_fused_adam(inner):
+        return TEFusedAdamAdapter(inner)
     logger.warning(
         "no explicit adapter for %s.%s; assuming a per-parameter update and probing its state layout. "
         "Pass adapter=... to make this explicit",

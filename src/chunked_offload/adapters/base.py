@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -95,6 +95,21 @@ class Adapter:
     def check_config(self) -> None:
         """Refuse inner-optimizer settings that cannot be chunked (raise TypeError / ValueError)."""
 
+    def grad_of(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The gradient the inner optimizer reads for ``param``."""
+        return param.grad
+
+    def verify_bound(self, params: Sequence[torch.Tensor], state: Mapping[torch.Tensor, Any]) -> None:
+        """Check the state of a chunk's params right before the inner step (after binding the device views)."""
+
+    def to_checkpoint(self, key: str, value: torch.Tensor) -> torch.Tensor:
+        """A state tensor as the inner optimizer's own ``state_dict()`` would return it (default: as it is)."""
+        return value
+
+    def from_checkpoint(self, key: str, value: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+        """A checkpoint's state tensor as the inner optimizer keeps it while stepping (default: as it is)."""
+        return value
+
     def begin_step(self, stepped_dtype: Callable[[torch.Tensor], torch.dtype]) -> None:
         """Called once per outer step before any chunk: decide what the inner optimizer decides per group."""
 
@@ -151,9 +166,10 @@ class GroupCounters:
     """Keeps group-level values (Transformer Engine's ``group["step"]``, ...) advancing once per outer step.
 
     The inner optimizer's step runs once per chunk. Before every chunk the groups are restored to their values at
-    the start of the outer step; after a chunk, each group that had params in it remembers its values; at the end
-    every group gets the values from the last chunk that stepped it. A chunk that fails records nothing, so its
-    group keeps the values of the chunks committed before it.
+    the start of the outer step. After a chunk, each group whose values the inner changed remembers them (so a
+    counter the inner advances for every group, even one with no params in the chunk, advances once; one it
+    advances only for groups it steps advances once too). At the end every group gets the values it last
+    remembered. A chunk that fails remembers nothing, so its groups keep the values of the committed chunks.
 
     Args:
         groups: the inner optimizer's ``param_groups``.
@@ -178,11 +194,30 @@ class GroupCounters:
         for group, values in zip(self._groups, self._start, strict=True):
             self._restore(group, values)
 
-    def after_chunk(self, stepped_groups: Sequence[int]) -> None:
-        for gi in stepped_groups:
-            self._final[gi] = self._snapshot(self._groups[gi])
+    def after_chunk(self) -> None:
+        for gi, group in enumerate(self._groups):
+            values = self._snapshot(group)
+            if not _same_values(values, self._start[gi]):
+                self._final[gi] = values
 
     def finish(self) -> None:
         for gi, group in enumerate(self._groups):
             final = self._final[gi]
             self._restore(group, final if final is not None else self._start[gi])
+
+
+def _same_values(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k, v in a.items():
+        w = b[k]
+        if v is w:
+            continue
+        if isinstance(v, torch.Tensor) or isinstance(w, torch.Tensor):
+            return False
+        try:
+            if not bool(v == w):
+                return False
+        except Exception:
+            return False
+    return True

@@ -1,0 +1,109 @@
+"""Transformer Engine's FusedAdam: its state dtypes, its own masters, its group step, its raw-pointer kernels."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..masters import dense_spec
+from ..planner import Role, TensorSpec
+from .base import Adapter
+
+__all__ = ["TEFusedAdamAdapter", "is_te_fused_adam"]
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+_SUPPORTED_MOMENTS = (torch.float32, torch.bfloat16)
+
+
+def is_te_fused_adam(inner: torch.optim.Optimizer) -> bool:
+    """Whether ``inner`` is ``transformer_engine.pytorch.optimizers.FusedAdam``, without importing TE."""
+    cls = type(inner)
+    return cls.__name__ == "FusedAdam" and cls.__module__.startswith("transformer_engine.")
+
+
+class TEFusedAdamAdapter(Adapter):
+    """``transformer_engine.pytorch.optimizers.FusedAdam`` (transformer-engine 2.x).
+
+    State per param: ``exp_avg`` and ``exp_avg_sq`` in TE's configured dtypes (fp32 or bf16), and with
+    ``master_weights=True`` TE's own master, ``master_param``: fp32, or int16 remainders with
+    ``store_param_remainders=True`` for bf16 params. All of them are offloaded and chunked like any state.
+
+    - TE's step counter lives in ``param_groups[i]["step"]``; the wrapper's ``GroupCounters`` advance it once per
+      outer step, for every group, as TE does.
+    - TE's kernels take raw pointers and check neither device nor layout, so before each chunk every state tensor
+      is checked to be on the GPU and contiguous.
+    - Checkpoints are TE's native format (bf16 moments as fp32, as ``FusedAdam.state_dict()`` returns them), packed
+      from the host copies: TE's own ``state_dict()`` and ``load_state_dict()`` are never called, since they launch
+      kernels on every state tensor and rebuild fp32 copies on the GPU.
+    - Refused: fp16/fp8 moments or fp16 masters (their scales live outside ``state``), ``capturable=True`` (CUDA
+      graphs replay fixed pointers).
+    """
+
+    name = "transformer_engine.FusedAdam"
+    strict = True
+
+    def check_config(self) -> None:
+        inner: Any = self.inner
+        for attr in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            dtype = getattr(inner, attr)
+            if dtype not in _SUPPORTED_MOMENTS:
+                raise ValueError(
+                    f"FusedAdam({attr}={dtype}) keeps a per-param scale for these moments in FusedAdam._scales, "
+                    "outside `state`, which offloading would not move with them; supported: torch.float32, "
+                    "torch.bfloat16"
+                )
+        if inner.master_weights and inner.master_weight_dtype != torch.float32:
+            raise ValueError(
+                f"FusedAdam(master_weight_dtype={inner.master_weight_dtype}) keeps per-param scales outside `state`; "
+                "use master_weight_dtype=torch.float32 (optionally with store_param_remainders=True)"
+            )
+        if inner.capturable:
+            raise ValueError(
+                "FusedAdam(capturable=True) is meant to be replayed in a CUDA graph on fixed pointers, but chunked "
+                "offload rebinds every state tensor to staging memory on each step; use capturable=False"
+            )
+
+    def owns_masters(self) -> bool:
+        return bool(getattr(self.inner, "master_weights", False))
+
+    def _predict(self, stepped: torch.Tensor, group: dict[str, Any]) -> list[TensorSpec]:
+        inner: Any = self.inner
+        specs = [
+            dense_spec("exp_avg", Role.STATE, stepped, inner.exp_avg_dtype),
+            dense_spec("exp_avg_sq", Role.STATE, stepped, inner.exp_avg_sq_dtype),
+        ]
+        if inner.master_weights:
+            remainders = inner.store_param_remainders and stepped.dtype == torch.bfloat16
+            specs.append(dense_spec("master_param", Role.STATE, stepped, torch.int16 if remainders else torch.float32))
+        return specs
+
+    def layout_signature(self, group: dict[str, Any]) -> Hashable:
+        return "fused_adam"  # the state depends on the optimizer's attributes, not on group hyperparameters
+
+    def grad_of(self, param: torch.Tensor) -> torch.Tensor | None:
+        if getattr(self.inner, "use_decoupled_grad", False):
+            return getattr(param, "decoupled_grad", None)
+        return param.grad
+
+    def verify_bound(self, params: Sequence[torch.Tensor], state: Mapping[torch.Tensor, Any]) -> None:
+        for p in params:
+            for key, value in (state.get(p) or {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    if value.device.type != "cuda" or not value.is_contiguous():
+                        raise RuntimeError(
+                            f"FusedAdam state {key!r} of a param of shape {tuple(p.shape)} is on {value.device} with "
+                            f"strides {tuple(value.stride())} at its chunk's step; TE's kernels need contiguous GPU "
+                            "memory and would write through the raw pointer regardless"
+                        )
+
+    def to_checkpoint(self, key: str, value: torch.Tensor) -> torch.Tensor:
+        if key in _MOMENTS and value.dtype == torch.bfloat16:
+            return value.float()  # exact, as FusedAdam.get_unscaled_state returns it
+        return value
+
+    def from_checkpoint(self, key: str, value: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+        if key in _MOMENTS and spec.dtype == torch.bfloat16 and value.dtype == torch.float32:
+            return value.to(torch.bfloat16)  # round to nearest even, as FusedAdam.set_scaled_state does
+        return value

@@ -1,0 +1,130 @@
+"""Real training frameworks drive the wrapper: Lightning (fit, checkpoint, resume) and accelerate (prepare).
+
+On the CPU these prove the results are bitwise those of the plain optimizer; tests/cuda/test_frameworks_cuda.py
+measures the GPU memory of the same flows on a GPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from chunked_offload import ChunkedOffloadOptimizer
+from reference import assert_equal
+
+
+def make_model(seed: int, width: int = 32, device: str = "cpu") -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, width), torch.nn.GELU(), torch.nn.Linear(width, width), torch.nn.Linear(width, 1)
+    ).to(device)
+
+
+def make_data(n: int = 64, device: str = "cpu") -> torch.utils.data.TensorDataset:
+    gen = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(torch.randn(n, 16, generator=gen), torch.randn(n, 1, generator=gen))
+
+
+def make_inner(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def wrap(inner: torch.optim.Optimizer) -> ChunkedOffloadOptimizer:
+    return ChunkedOffloadOptimizer(inner, chunk_size_mb=0.002)
+
+
+# ---------------------------------------------------------------------------------------------------- Lightning
+def lightning_module(seed: int, wrapped: bool, **model_kw: Any) -> Any:
+    pl = pytest.importorskip("pytorch_lightning")
+
+    class Module(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = make_model(seed, **model_kw)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> Any:
+            inner = make_inner(self.net)
+            return wrap(inner) if wrapped else inner
+
+    return Module()
+
+
+def lightning_fit(module: Any, steps: int, ckpt_path: Path | None = None, **trainer_kw: Any) -> Any:
+    pl = pytest.importorskip("pytorch_lightning")
+    trainer = pl.Trainer(
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **{"accelerator": "cpu", "devices": 1, **trainer_kw},
+    )
+    loader = torch.utils.data.DataLoader(make_data(), batch_size=8, shuffle=False)
+    trainer.fit(module, loader, ckpt_path=str(ckpt_path) if ckpt_path else None)
+    return trainer
+
+
+def lightning_resume(tmp_path: Path, first_wrapped: bool, then_wrapped: bool, **model_kw: Any) -> Any:
+    """Fit one epoch (8 batches), save a checkpoint, resume into a fresh module and fit a second epoch."""
+    first = lightning_module(0, wrapped=first_wrapped, **model_kw)
+    trainer = lightning_fit(first, 8)
+    trainer.save_checkpoint(tmp_path / f"{first_wrapped}.ckpt")
+    resumed = lightning_module(1, wrapped=then_wrapped, **model_kw)  # other weights: the checkpoint restores them
+    trainer = lightning_fit(resumed, 16, ckpt_path=tmp_path / f"{first_wrapped}.ckpt")
+    return resumed, trainer
+
+
+def test_lightning_fit_matches_the_plain_optimizer() -> None:
+    plain, wrapped = lightning_module(0, wrapped=False), lightning_module(0, wrapped=True)
+    lightning_fit(plain, 16)
+    lightning_fit(wrapped, 16)
+    for a, b in zip(plain.parameters(), wrapped.parameters(), strict=True):
+        assert_equal(a, b)
+
+
+@pytest.mark.parametrize("first_wrapped", [True, False], ids=["wrapper-ckpt", "plain-ckpt"])
+def test_lightning_resume_matches_the_plain_optimizer(tmp_path: Path, first_wrapped: bool) -> None:
+    (tmp_path / "plain").mkdir()
+    reference, _ = lightning_resume(tmp_path / "plain", first_wrapped=False, then_wrapped=False)
+    resumed, trainer = lightning_resume(tmp_path, first_wrapped=first_wrapped, then_wrapped=True)
+    opt = trainer.optimizers[0]
+    assert isinstance(getattr(opt, "_optimizer", opt), ChunkedOffloadOptimizer)
+    for a, b in zip(reference.parameters(), resumed.parameters(), strict=True):
+        assert_equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------------- accelerate
+def accelerate_run(wrapped: bool, steps_before: int, steps_after: int, cpu: bool = True) -> torch.nn.Module:
+    accelerate = pytest.importorskip("accelerate")
+    device = "cpu" if cpu else "cuda"
+    model = make_model(0, device=device)
+    inner = make_inner(model)
+    opt: Any = wrap(inner) if wrapped else inner
+    data = make_data(device=device)
+    x, y = (t.to(device) for t in data.tensors)
+    for step in range(steps_before):  # state exists before prepare()
+        torch.nn.functional.mse_loss(model(x[step::8]), y[step::8]).backward()
+        opt.step()
+        opt.zero_grad()
+    accelerator = accelerate.Accelerator(cpu=cpu)
+    model, opt = accelerator.prepare(model, opt)
+    for step in range(steps_before, steps_before + steps_after):
+        accelerator.backward(torch.nn.functional.mse_loss(model(x[step % 8 :: 8]), y[step % 8 :: 8]))
+        opt.step()
+        opt.zero_grad()
+    accelerate.state.AcceleratorState._reset_state(True)
+    return model
+
+
+def test_accelerate_prepare_of_an_optimizer_with_state_matches_the_plain_optimizer() -> None:
+    plain = accelerate_run(False, 3, 5)
+    wrapped = accelerate_run(True, 3, 5)
+    for a, b in zip(plain.parameters(), wrapped.parameters(), strict=True):
+        assert_equal(a, b)
