@@ -1,6 +1,6 @@
 """chunked_offload: keep optimizer state in host memory and step it chunk by chunk on the GPU."""
 
-from .adapters import Adapter, GenericAdapter, KeyedAdapter
+from .adapters import Adapter, GenericAdapter, KeyedAdapter, TEFusedAdamAdapter
 from .host_arena import HostArena
 from .layout import IncompatibleStateError
 from .masters import MasterMode
@@ -24,6 +24,7 @@ __all__ = [
     "KeyedAdapter",
     "MasterMode",
     "Role",
+    "TEFusedAdamAdapter",
     "TensorSpec",
     "__version__",
     "plan_chunks",
