@@ -17,10 +17,10 @@ MATRICES = [(256, 384), (33, 17), (512, 512), (129, 64), (64, 1024)]
 
 @pytest.mark.parametrize("weight_decay_method", ["decoupled", "l2"])
 def test_emerging_muon_matches_unwrapped(weight_decay_method: str) -> None:
-    eo = pytest.importorskip("emerging_optimizers")
+    eo = pytest.importorskip("emerging_optimizers.orthogonalized_optimizers")
 
     def make(params: Any) -> torch.optim.Optimizer:
-        return eo.orthogonalized_optimizers.Muon(
+        return eo.Muon(
             params, lr=1e-2, weight_decay=0.1, weight_decay_method=weight_decay_method, nesterov=True
         )
 
@@ -31,10 +31,10 @@ def test_emerging_muon_matches_unwrapped(weight_decay_method: str) -> None:
 
 
 def test_emerging_muon_with_fp32_masters_matches_the_resident_master_loop() -> None:
-    eo = pytest.importorskip("emerging_optimizers")
+    eo = pytest.importorskip("emerging_optimizers.orthogonalized_optimizers")
 
     def make(params: Any) -> torch.optim.Optimizer:
-        return eo.orthogonalized_optimizers.Muon(params, lr=1e-2, weight_decay=0.1, weight_decay_method="l2")
+        return eo.Muon(params, lr=1e-2, weight_decay=0.1, weight_decay_method="l2")
 
     params = make_params(MATRICES, torch.bfloat16, "cuda")
     ref_params = make_params(MATRICES, torch.bfloat16, "cuda")

@@ -105,5 +105,7 @@ class TEFusedAdamAdapter(Adapter):
 
     def from_checkpoint(self, key: str, value: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
         if key in _MOMENTS and spec.dtype == torch.bfloat16 and value.dtype == torch.float32:
-            return value.to(torch.bfloat16)  # round to nearest even, as FusedAdam.set_scaled_state does
+            # Round to nearest even, as FusedAdam.set_scaled_state does; on the host, so that a checkpoint held on
+            # the GPU (TE's own) costs no GPU memory to convert.
+            return value.to("cpu").to(torch.bfloat16)
         return value
