@@ -1,18 +1,31 @@
-"""Step time and GPU window of ChunkedOffloadOptimizer vs the resident optimizer and a full-reload baseline.
+"""Step time and GPU window of ChunkedOffloadOptimizer against the resident optimizer and the usual alternatives.
 
 Command (the README's `make bench` runs it with the defaults for the machine it finds):
     PYTHONPATH=src python3 benchmarks/bench_step.py                      # GPU: 1e9 params, 4096^2 matrices
     PYTHONPATH=src python3 benchmarks/bench_step.py --workloads adamw --chunks-mb 64,256,1024
 
-Every variant starts from the same params and takes the same steps with the same grads, so the final params must
-be bitwise equal to the resident run ("exact" column). Times are CUDA-event medians (p20/p80 in the CSV); the
-floor is the bytes each step moves each way divided by the measured bidirectional bandwidth of this link.
+Workloads:
+    adamw               fp32 params, fused AdamW: resident (the reference), full reload, serial chunked, and the
+                        wrapper at each chunk size; step() alone.
+    adamw-bf16-masters  bf16 params, fused AdamW on fp32 masters: the wrapper's fp32 mode (the reference) and its
+                        remainder mode, each run --repeat times to show run-to-run spread.
+    muon                fp32 params, torch.optim.Muon: resident (the reference), full reload and the wrapper.
+    peers               fp32 params, AdamW, a whole iteration (backward + step): resident (the reference), the
+                        wrapper, serial chunked, and torchao's CPUOffloadOptimizer (Adam on the CPU) when torchao is
+                        importable. Reports the time each adds to the resident iteration.
+
+Every variant starts from the same params and takes the same steps with the same grads, so its final params must be
+bitwise equal to the reference's ("exact"); the script exits with status 1 if any of ours is not. torchao steps on
+the CPU, whose AdamW rounds differently, so its column shows the largest difference instead. Times are CUDA-event
+medians with p20/p80 in the CSV; the floor is the bytes each step moves each way over the measured bidirectional
+bandwidth of this link.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,49 +38,30 @@ from chunked_offload import ChunkedOffloadOptimizer
 from common import (
     ROOT,
     FullReload,
+    Recorder,
+    SerialChunked,
     Stats,
-    append_csv,
-    device_name,
-    git_sha,
     make_matrices,
     measure_link,
     peak_extra_bytes,
+    progress,
     set_random_grads,
     synchronize,
     time_calls,
 )
 
 MiB = 2**20
+# Bytes a wrapper-owned master adds each way per param: an fp32 master, or an int16 remainder plus one tie bit.
+MASTER_BYTES = {"none": 0.0, "fp32": 4.0, "remainder": 2.125}
 
 
 @dataclass
-class Workload:
+class Variant:
     name: str
-    dtype: torch.dtype
-    make_inner: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
-    state_bytes_per_param: float  # inner state bytes that move each way, per param
-    modes: list[str]  # master_weights modes to run through the wrapper
-    baselines: bool  # also run resident and full reload
-
-
-def workloads(device: torch.device) -> dict[str, Workload]:
-    fused = device.type == "cuda"
-
-    def adamw(ps: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, fused=fused)
-
-    def muon(ps: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        return torch.optim.Muon(ps, lr=1e-3, weight_decay=0.01)
-
-    return {
-        "adamw": Workload("adamw", torch.float32, adamw, 8, ["none"], True),
-        "adamw-bf16-masters": Workload("adamw-bf16-masters", torch.bfloat16, adamw, 8, ["fp32", "remainder"], False),
-        "muon": Workload("muon", torch.float32, muon, 4, ["none"], True),
-    }
-
-
-# Bytes a wrapper-owned master adds each way per param: an fp32 master, or an int16 remainder plus one tie bit.
-MASTER_BYTES = {"none": 0.0, "fp32": 4.0, "remainder": 2.125}
+    make: Callable[[list[torch.nn.Parameter]], Any]
+    floor_bytes: float | None = None  # bytes moved each way per param, for the floor
+    reference: bool = False
+    exact_expected: bool = True
 
 
 @dataclass
@@ -79,99 +73,167 @@ class Row:
     first_peak: int
     peak: int
     bound: int | None
-    exact: bool | None
+    exact: str
     build_s: float
+    added_s: float | None = None
+
+
+def _adamw(fused: bool) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
+    return lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, fused=fused)
+
+
+def _wrapper(make_inner: Callable[..., Any], chunk: float, mode: str = "none") -> Callable[..., Any]:
+    return lambda ps: ChunkedOffloadOptimizer(make_inner(ps), chunk_size_mb=chunk, master_weights=mode)
+
+
+def _torchao(ps: list[torch.nn.Parameter]) -> Any:
+    from torchao.optim import CPUOffloadOptimizer
+
+    return CPUOffloadOptimizer(ps, torch.optim.AdamW, lr=1e-3, weight_decay=0.01, fused=True)
+
+
+def variants(name: str, gpu: bool, chunks: list[float], master_chunk: float, repeat: int) -> list[Variant]:
+    adamw = _adamw(gpu)
+    if name == "adamw":
+        out = [
+            Variant("resident", adamw, reference=True),
+            Variant("full-reload", lambda ps: FullReload(adamw(ps)), 8),
+            Variant(
+                f"serial-chunked-{master_chunk:g}MB", lambda ps: SerialChunked(adamw(ps), int(master_chunk * MiB)), 8
+            ),
+        ]
+        return out + [Variant(f"chunked-{c:g}MB", _wrapper(adamw, c), 8) for c in chunks]
+    if name == "adamw-bf16-masters":
+        out = []
+        for run in range(repeat):
+            for mode in ("fp32", "remainder"):
+                label = f"chunked-{master_chunk:g}MB-{mode}" + (f"-run{run + 1}" if repeat > 1 else "")
+                out.append(Variant(label, _wrapper(adamw, master_chunk, mode), 8 + MASTER_BYTES[mode], not out))
+        return out
+    if name == "muon":
+
+        def muon(ps: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+            return torch.optim.Muon(ps, lr=1e-3, weight_decay=0.01)
+
+        return [
+            Variant("resident", muon, reference=True),
+            Variant("full-reload", lambda ps: FullReload(muon(ps)), 4),
+            Variant(f"chunked-{master_chunk:g}MB", _wrapper(muon, master_chunk), 4),
+        ]
+    if name == "peers":
+        out = [
+            Variant("resident", adamw, reference=True),
+            Variant(f"chunked-{master_chunk:g}MB", _wrapper(adamw, master_chunk), 8),
+            Variant(
+                f"serial-chunked-{master_chunk:g}MB", lambda ps: SerialChunked(adamw(ps), int(master_chunk * MiB)), 8
+            ),
+        ]
+        try:
+            import torchao.optim  # noqa: F401
+        except ImportError:
+            print("# torchao is not importable: its CPUOffloadOptimizer row is skipped", flush=True)
+        else:
+            if gpu:
+                out.append(Variant("torchao-CPUOffloadOptimizer", _torchao, 8, exact_expected=False))
+        return out
+    raise ValueError(f"unknown workload {name!r}; choose from adamw, adamw-bf16-masters, muon, peers")
 
 
 def run_variant(
-    make_opt: Callable[[], Any],
+    variant: Variant,
     params: list[torch.nn.Parameter],
     init: list[torch.Tensor],
     device: torch.device,
+    iteration: bool,
     args: Any,
 ) -> tuple[Stats, int, int, list[torch.Tensor], float, Any]:
     with torch.no_grad():
         for p, x in zip(params, init, strict=True):
             p.copy_(x)
-    set_random_grads(params)
     synchronize(device)
     t0 = time.perf_counter()
-    opt = make_opt()
+    opt = variant.make(params)
     build_s = time.perf_counter() - t0
-    first_peak = peak_extra_bytes(opt.step, device)
+    if iteration:  # backward (it writes the grads, which torchao's hooks copy out) and step
+
+        def call() -> None:
+            loss = sum((p * p).sum() for p in params) * 1e-6
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    else:
+        set_random_grads(params)
+        call = opt.step
+    first_peak = peak_extra_bytes(call, device)
     engine = getattr(opt, "_engine", None)
     side = (engine.d2h_stream,) if engine is not None and engine.d2h_stream is not None else ()
-    times = time_calls(opt.step, device, args.warmup, args.iters, side)
-    pool = getattr(opt, "_pool", None)
-    held = pool.slot_nbytes * len(pool.slots) if pool is not None else 0
-    peak = peak_extra_bytes(opt.step, device, held)
+    times = time_calls(call, device, args.warmup, args.iters, side)
+    peak = peak_extra_bytes(call, device)
     final = [p.detach().to("cpu") for p in params]
     return Stats.of(times), first_peak, peak, final, build_s, opt
 
 
 def bench_workload(
-    wl: Workload, n_params: float, dim: int, chunks: list[float], duplex: float, device: torch.device, args: Any
+    name: str, gpu: bool, n_params: float, dim: int, duplex: float, device: torch.device, args: Any
 ) -> list[Row]:
-    """Resident, full reload (when ``wl.baselines``) and the wrapper in each master mode and chunk size."""
-    params = make_matrices(n_params, dim, wl.dtype, device)
+    dtype = torch.bfloat16 if name == "adamw-bf16-masters" else torch.float32
+    params = make_matrices(n_params, dim, dtype, device)
     init = [p.detach().clone().cpu() for p in params]
     numel = sum(p.numel() for p in params)
-    dtype = str(wl.dtype).removeprefix("torch.")
-    print(f"# workload {wl.name}: {len(params)} x {dim}^2 {dtype} = {numel / 1e9:.3f}e9 params", flush=True)
+    print(f"# workload {name}: {len(params)} x {dim}^2 {str(dtype)[6:]} = {numel / 1e9:.3f}e9 params", flush=True)
+    chunks = args.chunks if name == "adamw" else []
     rows: list[Row] = []
     reference: list[torch.Tensor] | None = None
-
-    def run(variant: str, make_opt: Callable[[], Any], floor_s: float | None) -> Row:
-        nonlocal reference
-        stats, first_peak, peak, final, build_s, opt = run_variant(make_opt, params, init, device, args)
+    for v in progress(variants(name, gpu, chunks, args.master_chunk_mb, args.repeat), desc=name):
+        stats, first_peak, peak, final, build_s, opt = run_variant(v, params, init, device, name == "peers", args)
+        if v.reference:
+            reference, exact = final, "(reference)"
+        elif reference is None:
+            exact = "-"
+        else:
+            same = all(torch.equal(a, b) for a, b in zip(reference, final, strict=True))
+            diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(reference, final, strict=True))
+            exact = ("yes" if same else "NO") if v.exact_expected else f"max|d| {diff:.1e}"
         bound = opt.plan.window_bound_nbytes if isinstance(opt, ChunkedOffloadOptimizer) else None
-        exact = None if reference is None else all(torch.equal(a, b) for a, b in zip(reference, final, strict=True))
-        if reference is None:
-            reference = final  # the first variant (resident, or the fp32-master run) is the reference
-        row = Row(wl.name, variant, stats, floor_s, first_peak, peak, bound, exact, build_s)
-        print(f"#   {variant}: {stats.median:.4f} s", flush=True)
-        return row
-
-    if wl.baselines:
-        rows.append(run("resident", lambda: wl.make_inner(params), None))
-        floor = numel * wl.state_bytes_per_param / duplex
-        rows.append(run("full-reload", lambda: FullReload(wl.make_inner(params)), floor))
-    for mode in wl.modes:
-        floor = numel * (wl.state_bytes_per_param + MASTER_BYTES[mode]) / duplex
-        for chunk in chunks:
-            variant = f"chunked-{chunk:g}MB" + ("" if mode == "none" else f"-{mode}")
-
-            def make(chunk: float = chunk, mode: str = mode) -> ChunkedOffloadOptimizer:
-                return ChunkedOffloadOptimizer(wl.make_inner(params), chunk_size_mb=chunk, master_weights=mode)
-
-            rows.append(run(variant, make, floor))
-            gc.collect()
+        floor = numel * v.floor_bytes / duplex if v.floor_bytes else None
+        rows.append(Row(name, v.name, stats, floor, first_peak, peak, bound, exact, build_s))
+        print(f"#   {v.name}: {stats.median:.4f} s, exact {exact}", flush=True)
+        del opt
+        gc.collect()
+        if gpu:
+            torch.cuda.empty_cache()
+    base = next((r.stats.median for r in rows if r.exact == "(reference)" and r.variant == "resident"), None)
+    for r in rows:
+        if base is not None and r.variant != "resident":
+            r.added_s = r.stats.median - base
     return rows
 
 
-def record_row(r: Row, record: Callable[[str, str, str, float], None]) -> None:
-    record(r.workload, r.variant, "step_s_median", r.stats.median)
-    record(r.workload, r.variant, "step_s_p20", r.stats.p20)
-    record(r.workload, r.variant, "step_s_p80", r.stats.p80)
-    record(r.workload, r.variant, "peak_extra_MiB_first_step", r.first_peak / MiB)
-    record(r.workload, r.variant, "peak_extra_MiB", r.peak / MiB)
-    record(r.workload, r.variant, "build_s", r.build_s)
+def record_row(r: Row, rec: Recorder) -> None:
+    rec.add(r.workload, r.variant, "step_s", r.stats)
+    rec.add(r.workload, r.variant, "peak_extra_MiB_first_step", r.first_peak / MiB)
+    rec.add(r.workload, r.variant, "peak_extra_MiB", r.peak / MiB)
+    rec.add(r.workload, r.variant, "build_s", r.build_s)
     if r.floor_s:
-        record(r.workload, r.variant, "x_duplex_floor", r.stats.median / r.floor_s)
+        rec.add(r.workload, r.variant, "x_duplex_floor", r.stats.median / r.floor_s)
     if r.bound is not None:
-        record(r.workload, r.variant, "window_bound_MiB", r.bound / MiB)
-    if r.exact is not None:
-        record(r.workload, r.variant, "bitwise_equal", float(r.exact))
+        rec.add(r.workload, r.variant, "window_bound_MiB", r.bound / MiB)
+    if r.added_s is not None:
+        rec.add(r.workload, r.variant, "added_s_vs_resident", r.added_s)
+    if r.exact in ("yes", "NO"):
+        rec.add(r.workload, r.variant, "bitwise_equal", float(r.exact == "yes"))
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--params", type=float, default=None, help="parameters per workload (default 1e9 GPU, 2e6 CPU)")
     parser.add_argument("--dim", type=int, default=None, help="square matrix size (default 4096 GPU, 512 CPU)")
     parser.add_argument("--chunks-mb", default=None, help="chunk sizes for the adamw workload")
     parser.add_argument("--master-chunk-mb", type=float, default=256.0, help="chunk size for the other workloads")
-    parser.add_argument("--workloads", default=None, help="default: all on a GPU; adamw and masters on the CPU")
+    parser.add_argument("--workloads", default=None, help="default: all on a GPU; adamw, masters and peers on a CPU")
+    parser.add_argument("--repeat", type=int, default=2, help="runs of the masters workload, to show the spread")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--link-mb", type=int, default=None)
@@ -181,79 +243,76 @@ def main() -> None:
     gpu = device.type == "cuda"
     n_params = args.params or (1e9 if gpu else 2e6)
     dim = args.dim or (4096 if gpu else 512)
-    chunks = [float(c) for c in (args.chunks_mb or ("64,128,256,512,1024,2048" if gpu else "1,4,64")).split(",")]
+    args.chunks = [float(c) for c in (args.chunks_mb or ("64,128,256,512,1024,2048" if gpu else "1,4,64")).split(",")]
     if not gpu:
         args.master_chunk_mb = min(args.master_chunk_mb, 4.0)
+        args.repeat = 1
     # Muon's Newton-Schulz runs in bf16, which a CPU without bf16 matrix units does slowly: GPU only by default.
-    args.workloads = args.workloads or ("adamw,adamw-bf16-masters,muon" if gpu else "adamw,adamw-bf16-masters")
+    default = "adamw,adamw-bf16-masters,muon,peers" if gpu else "adamw,adamw-bf16-masters,peers"
+    names = (args.workloads or default).split(",")
 
-    meta = {"gpu": device_name(device), "torch": torch.__version__, "sha": git_sha()}
-    csv_rows: list[dict[str, Any]] = []
-
-    def record(workload: str, variant: str, metric: str, value: float) -> None:
-        csv_rows.append(
-            {
-                "workload": workload,
-                "variant": variant,
-                "metric": metric,
-                "value": value,
-                **meta,
-                "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            }
-        )
-
+    rec = Recorder(device)
     link = measure_link(device, (args.link_mb or (1024 if gpu else 64)) * MiB)
-    print(f"# {meta['gpu']}, torch {meta['torch']}, {meta['sha']}")
+    print(f"# {rec.meta['gpu']}, torch {rec.meta['torch']}, commit {rec.meta['sha']}")
     print(
         f"# link (pinned): H2D {link.h2d / 1e9:.1f} GB/s, D2H {link.d2h / 1e9:.1f} GB/s, "
         f"both at once {link.duplex / 1e9:.1f} GB/s each way"
     )
     for metric, value in (("h2d_GBps", link.h2d), ("d2h_GBps", link.d2h), ("duplex_GBps", link.duplex)):
-        record("link", "pinned", metric, value / 1e9)
+        rec.add("link", "pinned", metric, value / 1e9)
 
     rows: list[Row] = []
-    for name in args.workloads.split(","):
-        wl = workloads(device)[name]
-        for row in bench_workload(
-            wl, n_params, dim, chunks if name == "adamw" else [args.master_chunk_mb], link.duplex, device, args
-        ):
+    for name in names:
+        for row in bench_workload(name, gpu, n_params, dim, link.duplex, device, args):
             rows.append(row)
-            record_row(row, record)
-        gc.collect()
-        if gpu:
-            torch.cuda.empty_cache()
+            record_row(row, rec)
+    rec.write(args.csv)
 
-    append_csv(args.csv, csv_rows)
     print()
     header = (
-        f"{'workload':<20} {'variant':<28} {'step s':>8} {'x floor':>8} {'peak MiB':>9} {'1st MiB':>9} "
-        f"{'bound MiB':>9} {'build s':>8} {'exact':>6}"
+        f"{'workload':<19} {'variant':<34} {'s/step':>8} {'x floor':>8} {'+s vs res':>9} {'peak MiB':>9} "
+        f"{'1st MiB':>8} {'bound':>7} {'build s':>7}  exact"
     )
     print(header)
     print("-" * len(header))
-    resident = {r.workload: r.stats.median for r in rows if r.variant == "resident"}
     for r in rows:
         xf = f"{r.stats.median / r.floor_s:.3f}" if r.floor_s else "-"
+        added = f"{r.added_s:.4f}" if r.added_s is not None else "-"
         bound = f"{r.bound / MiB:.0f}" if r.bound is not None else "-"
-        exact = "-" if r.exact is None else ("yes" if r.exact else "NO")
         print(
-            f"{r.workload:<20} {r.variant:<28} {r.stats.median:>8.4f} {xf:>8} {r.peak / MiB:>9.1f} "
-            f"{r.first_peak / MiB:>9.1f} {bound:>9} {r.build_s:>8.2f} {exact:>6}"
+            f"{r.workload:<19} {r.variant:<34} {r.stats.median:>8.4f} {xf:>8} {added:>9} {r.peak / MiB:>9.1f} "
+            f"{r.first_peak / MiB:>8.1f} {bound:>7} {r.build_s:>7.2f}  {r.exact}"
         )
-    for wl_name, t_res in resident.items():
-        full = [r.stats.median for r in rows if r.workload == wl_name and r.variant == "full-reload"]
-        best = min(
-            (r.stats.median for r in rows if r.workload == wl_name and r.variant.startswith("chunked")), default=None
-        )
-        if full and best:
-            print(f"# {wl_name}: full reload / best chunked = {full[0] / best:.2f}x; resident step {t_res:.4f} s")
-    masters = {r.variant.rsplit("-", 1)[-1]: r.stats.median for r in rows if r.workload == "adamw-bf16-masters"}
-    if "fp32" in masters and "remainder" in masters:
-        print(f"# masters: remainder / fp32 step time = {masters['remainder'] / masters['fp32']:.3f}")
+    _summaries(rows)
     if not gpu:
         print("# CPU run: 'copies' are memcpy, so the floor is not a link floor; this run checks exactness and wiring")
-    print(f"# CSV rows appended to {args.csv}")
+    failed = [f"{r.workload}/{r.variant}" for r in rows if r.exact == "NO"]
+    if failed:
+        print(f"# EXACTNESS FAILED: {', '.join(failed)}")
+        return 1
+    return 0
+
+
+def _summaries(rows: list[Row]) -> None:
+    def med(workload: str, prefix: str) -> list[float]:
+        return [r.stats.median for r in rows if r.workload == workload and r.variant.startswith(prefix)]
+
+    chunked, full, serial = med("adamw", "chunked"), med("adamw", "full-reload"), med("adamw", "serial")
+    if chunked and full:
+        print(f"# adamw: full reload / best chunked = {full[0] / min(chunked):.2f}x", end="")
+        print(f"; serial chunked / best chunked = {serial[0] / min(chunked):.2f}x" if serial else "")
+    for mode in ("fp32", "remainder"):
+        runs = [r.stats.median for r in rows if r.workload == "adamw-bf16-masters" and f"-{mode}" in r.variant]
+        if len(runs) > 1:
+            listed = ", ".join(f"{t:.4f}" for t in runs)
+            print(f"# masters {mode}: runs {listed} s, spread {max(runs) / min(runs) - 1:.1%}")
+    fp32, rem = med("adamw-bf16-masters", "chunked-256MB-fp32"), med("adamw-bf16-masters", "chunked-256MB-remainder")
+    if fp32 and rem:
+        print(f"# masters: remainder / fp32 step time = {min(rem) / min(fp32):.3f}")
+    peers = {r.variant.split("-")[0]: r.added_s for r in rows if r.workload == "peers" and r.added_s is not None}
+    if "chunked" in peers and "torchao" in peers and peers["chunked"]:
+        print(f"# peers: time added per iteration, torchao / ours = {peers['torchao'] / peers['chunked']:.2f}x")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

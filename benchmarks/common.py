@@ -23,11 +23,23 @@ from chunked_offload.host_arena import HostArena  # noqa: E402
 
 
 def git_sha() -> str:
+    """The commit measured: ``CHUNKED_OFFLOAD_SHA`` (set by scripts/gpu_check.sh for copies without .git), else git."""
+    if os.environ.get("CHUNKED_OFFLOAD_SHA"):
+        return os.environ["CHUNKED_OFFLOAD_SHA"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
         return out.stdout.strip() or "unknown"
     except OSError:
         return "unknown"
+
+
+def progress(iterable: Any, desc: str, total: int | None = None) -> Any:
+    """A tqdm progress bar on stderr where tqdm is installed; the plain iterable otherwise."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True)
 
 
 def device_name(device: torch.device) -> str:
@@ -156,6 +168,9 @@ class FullReload:
         self.inner = inner
         self.host: dict[tuple[int, str], torch.Tensor] | None = None
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
     def _tensors(self) -> list[tuple[tuple[int, str], dict[str, Any], str]]:
         out = []
         for i, p in enumerate(q for g in self.inner.param_groups for q in g["params"]):
@@ -201,12 +216,86 @@ def peak_extra_bytes(fn: Callable[[], Any], device: torch.device, held: int = 0)
     return torch.cuda.max_memory_allocated(device) - base
 
 
-def append_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fields = ["workload", "variant", "metric", "value", "gpu", "torch", "sha", "time"]
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        if new:
-            writer.writeheader()
-        writer.writerows(rows)
+class SerialChunked:
+    """Baseline: the first chunked offloaders' loop. Per chunk: H2D its state, step it, D2H it, wait on the host.
+
+    Nothing overlaps: the link idles during each step and the GPU idles during each copy.
+    """
+
+    def __init__(self, inner: torch.optim.Optimizer, chunk_bytes: int) -> None:
+        self.inner = inner
+        self.chunks: list[list[torch.Tensor]] = [[]]
+        nbytes = 0
+        for p in (q for g in inner.param_groups for q in g["params"]):
+            if self.chunks[-1] and nbytes + 8 * p.numel() * p.element_size() > chunk_bytes:
+                self.chunks.append([])
+                nbytes = 0
+            self.chunks[-1].append(p)
+            nbytes += 8 * p.numel() * p.element_size()
+        self.host: dict[tuple[int, str], torch.Tensor] = {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        device = _device_of(self.inner)
+        groups = self.inner.param_groups
+        saved = [g["params"] for g in groups]
+        try:
+            for chunk in self.chunks:
+                members = {id(p) for p in chunk}
+                for g, params in zip(groups, saved, strict=True):
+                    g["params"] = [p for p in params if id(p) in members]
+                for p in chunk:
+                    state = self.inner.state.get(p, {})
+                    for k in [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0]:
+                        state[k] = self.host[(id(p), k)].to(device, non_blocking=True)
+                self.inner.step()
+                states = [(id(p), self.inner.state[p]) for p in chunk if p in self.inner.state]
+                for pid, state in states:
+                    for k, v in [(k, v) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0]:
+                        if (pid, k) not in self.host:
+                            self.host[(pid, k)] = torch.empty_like(v, device="cpu", pin_memory=device.type == "cuda")
+                        self.host[(pid, k)].copy_(v, non_blocking=True)
+                        state[k] = self.host[(pid, k)]
+                synchronize(device)
+        finally:
+            for g, params in zip(groups, saved, strict=True):
+                g["params"] = params
+
+
+CSV_FIELDS = ["workload", "variant", "metric", "median", "p20", "p80", "gpu", "torch", "sha", "time"]
+
+
+class Recorder:
+    """CSV rows, one per measurement: a distribution (median, p20, p80) or a single value (all three equal)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.meta = {"gpu": device_name(device), "torch": torch.__version__, "sha": git_sha()}
+        self.rows: list[dict[str, Any]] = []
+
+    def add(self, workload: str, variant: str, metric: str, value: float | Stats) -> None:
+        stats = value if isinstance(value, Stats) else Stats(value, value, value)
+        self.rows.append(
+            {
+                "workload": workload,
+                "variant": variant,
+                "metric": metric,
+                "median": stats.median,
+                "p20": stats.p20,
+                "p80": stats.p80,
+                **self.meta,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            }
+        )
+
+    def write(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        new = not path.exists()
+        with path.open("a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+            if new:
+                writer.writeheader()
+            writer.writerows(self.rows)
+        print(f"# {len(self.rows)} CSV rows appended to {path}")

@@ -1,7 +1,11 @@
-"""Plot bench_step CSV rows: step time as a multiple of the duplex floor, per variant.
+"""Plot benchmark CSVs into PNGs under docs/.
 
-Command:  python3 benchmarks/plot.py benchmarks/results/bench_step_h200.csv docs/bench_step_h200.png
-Needs matplotlib (the `bench` extra).
+Command:  python3 benchmarks/plot.py benchmarks/results/bench_step_h200.csv [docs/]
+Needs matplotlib (the `bench` extra). Reads both the current CSV layout (median, p20, p80) and the first one
+(value). Draws:
+    bench_step_chunks.png  step time against chunk size, AdamW, with the duplex floor and full reload;
+    bench_step_peers.png   the time each offloader adds to a resident AdamW iteration, side by side;
+    bench_step_floor.png   every variant as a multiple of the duplex floor.
 """
 
 from __future__ import annotations
@@ -10,38 +14,89 @@ import csv
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
+
+
+def load(src: Path) -> tuple[dict[tuple[str, str, str], float], dict[str, str]]:
+    values: dict[tuple[str, str, str], float] = {}
+    meta: dict[str, str] = {}
+    for r in csv.DictReader(src.open()):
+        values[(r["workload"], r["variant"], r["metric"])] = float(r.get("median") or r["value"])
+        meta = {"gpu": r["gpu"], "torch": r["torch"], "sha": r["sha"]}
+    return values, meta
 
 
 def main() -> None:
     src = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/bench_step_h200.csv")
-    dst = Path(sys.argv[2] if len(sys.argv) > 2 else "docs/bench_step_h200.png")
+    out = Path(sys.argv[2] if len(sys.argv) > 2 else "docs")
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = list(csv.DictReader(src.open()))
+    values, meta = load(src)
+    title = f"{meta.get('gpu', '')}, torch {meta.get('torch', '')}, commit {meta.get('sha', '')}"
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save(fig: Any, name: str) -> None:
+        fig.suptitle(title, fontsize=9)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        print(f"wrote {out / name}")
+
+    chunks = sorted(
+        (float(v.removeprefix("chunked-").removesuffix("MB")), values[(w, v, m)])
+        for (w, v, m) in values
+        if w == "adamw" and m == "step_s" and v.startswith("chunked-") and v.endswith("MB")
+    )
+    if chunks:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        xs, ys = zip(*chunks, strict=True)
+        ax.plot(xs, ys, "o-", label="chunked (ours)")
+        floor = [y / values[("adamw", f"chunked-{x:g}MB", "x_duplex_floor")] for x, y in chunks]
+        ax.plot(xs, floor, "k--", label="duplex floor")
+        reload = values.get(("adamw", "full-reload", "step_s"))
+        if reload:
+            ax.axhline(reload, color="#999", label="full reload")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("chunk_size_mb")
+        ax.set_ylabel("seconds per step (1e9 params)")
+        ax.set_ylim(0, None)
+        ax.legend()
+        save(fig, "bench_step_chunks.png")
+
+    peers = {v: values[(w, v, m)] for (w, v, m) in values if w == "peers" and m == "added_s_vs_resident"}
+    if peers:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        names = sorted(peers, key=peers.get)  # type: ignore[arg-type]
+        ax.bar(
+            range(len(names)),
+            [peers[n] for n in names],
+            color=["#2a7" if n.startswith("chunked") else "#999" for n in names],
+        )
+        ax.set_xticks(range(len(names)), names, rotation=20, ha="right")
+        ax.set_ylabel("seconds added to a resident AdamW iteration")
+        save(fig, "bench_step_peers.png")
+
     ratio: dict[str, dict[str, float]] = defaultdict(dict)
-    gpu = torch_version = ""
-    for r in rows:
-        if r["metric"] == "x_duplex_floor":
-            ratio[r["workload"]][r["variant"]] = float(r["value"])
-            gpu, torch_version = r["gpu"], r["torch"]
-    fig, axes = plt.subplots(1, len(ratio), figsize=(5 * len(ratio), 4), squeeze=False)
-    for ax, (workload, variants) in zip(axes[0], ratio.items(), strict=True):
-        names = list(variants)
-        colors = ["#999" if "reload" in n else "#2a7" for n in names]
-        ax.bar(range(len(names)), [variants[n] for n in names], color=colors)
-        ax.axhline(1.0, color="k", linewidth=0.8)
-        ax.axhline(1.05, color="r", linewidth=0.8, linestyle="--")
-        ax.set_xticks(range(len(names)), [n.replace("chunked-", "") for n in names], rotation=45, ha="right")
-        ax.set_title(workload)
-        ax.set_ylabel("step time / duplex floor")
-    fig.suptitle(f"{gpu}, torch {torch_version}: step time to the last byte (lower is better; red: 1.05x)")
-    fig.tight_layout()
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(dst, dpi=110)
-    print(f"wrote {dst}")
+    for (w, v, m), x in values.items():
+        if m == "x_duplex_floor":
+            ratio[w][v] = x
+    if ratio:
+        fig, axes = plt.subplots(1, len(ratio), figsize=(5 * len(ratio), 4), squeeze=False)
+        for ax, (workload, variants) in zip(axes[0], ratio.items(), strict=True):
+            names = list(variants)
+            ax.bar(
+                range(len(names)),
+                [variants[n] for n in names],
+                color=["#2a7" if "chunked-" in n and "serial" not in n else "#999" for n in names],
+            )
+            ax.axhline(1.0, color="k", linewidth=0.8)
+            ax.axhline(1.05, color="r", linewidth=0.8, linestyle="--")
+            ax.set_xticks(range(len(names)), [n.replace("chunked-", "") for n in names], rotation=45, ha="right")
+            ax.set_title(workload)
+            ax.set_ylabel("step time / duplex floor")
+        save(fig, "bench_step_floor.png")
 
 
 if __name__ == "__main__":

@@ -200,7 +200,7 @@ def place(
     if previous is not None and _host_layout(plan) == _host_layout(previous.plan):
         arena = previous.arena
     else:
-        arena = HostArena(plan.host_nbytes, pin=pin)
+        arena = HostArena(plan.host_nbytes, pin=pin, boundaries=[c.home_offset for c in plan.chunks])
     resident_flat = None
     if plan.resident_chunks:
         resident_flat = torch.empty(plan.resident_nbytes, dtype=torch.uint8, device=device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections.abc import Sequence
@@ -12,6 +13,7 @@ import torch
 __all__ = [
     "ALIGNMENT",
     "MIN_AUTO_CHUNK_BYTES",
+    "PAGE",
     "PIPELINE_DEPTH",
     "Bundle",
     "Chunk",
@@ -35,6 +37,9 @@ MIN_AUTO_CHUNK_BYTES = 64 * 2**20
 # Every tensor starts on a 256-byte boundary inside a chunk: enough for any dtype view and for the
 # 16-byte vector loads that fused kernels (torch, Transformer Engine) issue on raw pointers.
 ALIGNMENT = 256
+# Every chunk starts on a page in its home, so that host registrations can begin at any chunk (see
+# [Note: Registration pieces] in host_arena.py); at most 4 KiB of padding per chunk.
+PAGE = 4096
 
 
 class Role(enum.Enum):
@@ -204,12 +209,12 @@ class ChunkPlan:
     @property
     def host_nbytes(self) -> int:
         """Size of the host arena."""
-        return sum(c.transfer_nbytes for c in self.chunks)
+        return max((c.home_offset + c.transfer_nbytes for c in self.chunks), default=0)
 
     @property
     def resident_nbytes(self) -> int:
         """Size of the device buffer that holds the resident chunks between steps."""
-        return sum(c.transfer_nbytes for c in self.resident_chunks)
+        return max((c.home_offset + c.transfer_nbytes for c in self.resident_chunks), default=0)
 
     @property
     def largest_bundle_nbytes(self) -> int:
@@ -309,8 +314,10 @@ def _pack(bundles: Sequence[Bundle], budget_bytes: int, home: Home, first_index:
     def close() -> None:
         nonlocal current, current_nbytes, home_offset
         chunk = _layout_chunk(first_index + len(chunks), current, home, home_offset)
+        if chunk.transfer_nbytes:
+            chunk = dataclasses.replace(chunk, home_offset=-(-home_offset // PAGE) * PAGE)
         chunks.append(chunk)
-        home_offset += chunk.transfer_nbytes
+        home_offset = chunk.home_offset + chunk.transfer_nbytes
         current, current_nbytes = [], 0
 
     for b in bundles:

@@ -20,9 +20,7 @@ def test_emerging_muon_matches_unwrapped(weight_decay_method: str) -> None:
     eo = pytest.importorskip("emerging_optimizers.orthogonalized_optimizers")
 
     def make(params: Any) -> torch.optim.Optimizer:
-        return eo.Muon(
-            params, lr=1e-2, weight_decay=0.1, weight_decay_method=weight_decay_method, nesterov=True
-        )
+        return eo.Muon(params, lr=1e-2, weight_decay=0.1, weight_decay_method=weight_decay_method, nesterov=True)
 
     ref_params, params = make_params(MATRICES, torch.float32, "cuda"), make_params(MATRICES, torch.float32, "cuda")
     opt = ChunkedOffloadOptimizer(make(params), chunk_size_mb=0.5)
