@@ -312,7 +312,7 @@ def test_load_that_fails_to_replan_rolls_back(monkeypatch: pytest.MonkeyPatch) -
     run_steps(donor, donor.param_groups[0]["params"], 2)
     check = _unchanged(opt, params)
 
-    def no_memory(self: Any, nbytes: int, *, pin: bool) -> None:
+    def no_memory(self: Any, nbytes: int, **kwargs: Any) -> None:
         raise RuntimeError("the host arena needs more host RAM (injected)")
 
     monkeypatch.setattr(HostArena, "__init__", no_memory)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -12,11 +13,15 @@ import torch
 from .adapters import Adapter, spec_of
 from .host_arena import HostArena, typed_view
 from .masters import MASTER, REMAINDER, TIE_BITS, MasterMode, dense_spec, master_specs, needs_master
-from .planner import Bundle, Chunk, ChunkPlan, Home, Role, TensorSpec, plan_chunks
+from .planner import Bundle, Chunk, ChunkPlan, Home, Role, TensorSpec, _align, plan_chunks
 from .state_table import bind
 
 __all__ = [
     "BACKUP",
+    "is_dtensor",
+    "like_param",
+    "local",
+    "same_tensor",
     "IncompatibleStateError",
     "Layout",
     "ParamInfo",
@@ -39,6 +44,56 @@ BACKUP = "~backup"
 
 Signature = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
 
+try:  # DTensor params (FSDP2): the wrapper offloads each rank's local shard
+    from torch.distributed.tensor import DTensor, Shard
+except ImportError:  # a torch built without distributed
+    DTensor = Shard = None  # type: ignore[assignment,misc]
+
+
+def is_dtensor(t: object) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what this rank stores and moves), or the tensor itself."""
+    return t._local_tensor if is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def like_param(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``t`` (a local tensor) as the inner optimizer keeps state for ``param``: a DTensor placed like a DTensor param.
+
+    This is what ``torch.zeros_like(param)`` gives a DTensor param: the same mesh, placements, global shape and strides.
+    """
+    if not is_dtensor(param):
+        return t
+    p: Any = param
+    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are views of the same bytes with the same layout (a DTensor's local view, say)."""
+    return a is b or (
+        a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+    )
+
+
+def planning_weight(p: torch.Tensor, specs: Sequence[TensorSpec]) -> int | None:
+    """The bytes a DTensor param's bundle counts for when packing chunks: the same on every rank.
+
+    Uneven shards differ in size between ranks; packing by their padded size (``ceil(size / shards)`` along each
+    sharded dimension) gives every rank the same chunk membership, which tensor-parallel inner optimizers need.
+    None for a plain tensor (pack by its real bytes).
+    """
+    if not is_dtensor(p):
+        return None
+    d: Any = p
+    shape = list(d.shape)
+    for mesh_dim, placement in enumerate(d.placements):
+        if Shard is not None and isinstance(placement, Shard):
+            shape[placement.dim] = -(-shape[placement.dim] // d.device_mesh.size(mesh_dim))
+    numel = math.prod(shape)
+    return sum(_align(numel * s.dtype.itemsize) for s in specs)
+
 
 class IncompatibleStateError(RuntimeError, KeyError):
     """Existing state that the inner optimizer cannot step (plain torch fails on it too, often with a KeyError)."""
@@ -60,8 +115,10 @@ class ParamInfo:
         index: position in ``param_groups`` order.
         param: the parameter.
         group_index: the param group it belongs to.
-        specs: its bundle's tensors.
+        specs: its bundle's tensors (of the local shard, for a DTensor param).
         signature: the param's shape, strides, dtype and device when it was planned.
+        weight: bytes it counts for when packing chunks, where that is not its real bytes (see
+            :func:`planning_weight`).
     """
 
     index: int
@@ -69,6 +126,7 @@ class ParamInfo:
     group_index: int
     specs: tuple[TensorSpec, ...]
     signature: Signature
+    weight: int | None = None
 
     @cached_property  # read per param per chunk on every step; specs never change
     def state_specs(self) -> tuple[TensorSpec, ...]:
@@ -92,6 +150,8 @@ class Layout:
         infos: every parameter, by index.
         homes: the home of every moving bundle tensor: a host view (offloaded chunks) or a device view (resident
             chunks).
+        bound: what a state entry holds for each home between steps: the home, or for a DTensor param a DTensor
+            over it (see :func:`like_param`).
         arena: the host arena holding the offloaded chunks.
         resident_flat: the memory of the resident chunks (on the device, or on the host after ``offload()``).
         group_signatures: the adapter's layout signature of each param group when this layout was planned.
@@ -103,10 +163,17 @@ class Layout:
     arena: HostArena
     resident_flat: torch.Tensor | None
     group_signatures: list[Hashable]
+    bound: Views
+
+    def rebind(self, index: int) -> None:
+        """Recompute what entries hold for param ``index`` after its homes moved."""
+        param = self.infos[index].param
+        self.bound[index] = {key: like_param(home, param) for key, home in self.homes[index].items()}
 
 
 def stepped_like(p: torch.Tensor, mode: MasterMode) -> torch.Tensor:
     """A meta tensor like the tensor the inner optimizer steps for ``p``: its fp32 master, or ``p`` itself."""
+    p = local(p)
     if needs_master(p, mode):
         spec = dense_spec(MASTER, Role.MASTER, p, torch.float32)
         return torch.empty_strided(spec.shape, spec.stride, dtype=torch.float32, device="meta")
@@ -135,15 +202,17 @@ def describe(
             predicted = adapter.predict_state(stepped_like(p, mode), dict(group))
             entry = state_of(p)
             if entry:
-                existing = [spec_of(k, v) for k, v in entry.items() if adapter.is_offloaded(k, v)]
+                existing = [spec_of(k, local(v)) for k, v in entry.items() if adapter.is_offloaded(k, v)]
                 if adapter.strict:
                     _check_existing(index, p, entry, predicted, adapter.lazy_keys(dict(group)), adapter)
                 keys = {s.key for s in existing}
                 specs = existing + [s for s in predicted if s.key not in keys]
             else:
                 specs = predicted
-            own = master_specs(p, mode) + [dense_spec(BACKUP, Role.SCRATCH, p, p.dtype)]
-            infos.append(ParamInfo(index, p, gi, tuple(specs) + tuple(own), signature(p)))
+            shard = local(p)
+            own = [*master_specs(shard, mode), dense_spec(BACKUP, Role.SCRATCH, shard, p.dtype)]
+            all_specs = (*specs, *own)
+            infos.append(ParamInfo(index, p, gi, all_specs, signature(p), planning_weight(p, all_specs)))
     return infos
 
 
@@ -166,6 +235,8 @@ def _check_existing(
         )
     for s in predicted:
         value = entry.get(s.key)
+        if isinstance(value, torch.Tensor):
+            value = local(value)
         if isinstance(value, torch.Tensor) and (tuple(value.shape) != s.shape or value.dtype != s.dtype):
             raise IncompatibleStateError(
                 f"{where} has state {s.key!r} of shape {tuple(value.shape)} and dtype {value.dtype}, but "
@@ -177,7 +248,7 @@ def _check_existing(
 
 def plan_layout(infos: list[ParamInfo], *, chunk_bytes: int, num_slots: int, offload_fraction: float) -> ChunkPlan:
     """The chunk plan of every parameter's bundle."""
-    bundles = [Bundle(info.index, info.specs) for info in infos]
+    bundles = [Bundle(info.index, info.specs, info.weight) for info in infos]
     return plan_chunks(bundles, chunk_bytes=chunk_bytes, num_slots=num_slots, offload_fraction=offload_fraction)
 
 
@@ -220,20 +291,25 @@ def place(
     for info in infos:
         if info.has_master:
             _seed_master(info, homes[info.index], old_homes.get(id(info.param)), mode)
-    return Layout(plan, infos, homes, arena, resident_flat, group_signatures)
-
-
-def rehome_state(state: Mapping[torch.Tensor, Any], infos: list[ParamInfo], homes: Views) -> None:
-    """Copy every offloadable state tensor that is not in its home yet into it, and bind the home in its place."""
+    layout = Layout(plan, infos, homes, arena, resident_flat, group_signatures, {})
     for info in infos:
+        layout.rebind(info.index)
+    return layout
+
+
+def rehome_state(state: Mapping[torch.Tensor, Any], layout: Layout) -> None:
+    """Copy every offloadable state tensor that is not in its home yet into it, and bind the home in its place."""
+    for info in layout.infos:
         entry = state.get(info.param)
         if not entry:
             continue
         for spec in info.state_specs:
-            value, home = entry.get(spec.key), homes[info.index][spec.key]
-            if value is not None and value is not home:
-                home.copy_(value)
-                bind(entry, spec.key, home)
+            value, bound = entry.get(spec.key), layout.bound[info.index][spec.key]
+            if value is not None and value is not bound:
+                home = layout.homes[info.index][spec.key]
+                if not same_tensor(local(value), home):
+                    home.copy_(local(value))
+                bind(entry, spec.key, bound)
 
 
 def stale_reason(
@@ -248,7 +324,7 @@ def stale_reason(
     not its home (assigned by hand, or a state container swapped in), or the hyperparameters now predict other
     state for params that have none yet.
     """
-    infos, homes = layout.infos, layout.homes
+    infos, bound = layout.infos, layout.bound
     position = 0
     for gi, group in enumerate(groups):
         params = group["params"]
@@ -264,9 +340,9 @@ def stale_reason(
             entry = state.get(p)
             if not entry:
                 continue
-            home = homes[info.index]
+            held = bound[info.index]
             for k, v in entry.items():
-                if adapter.is_offloaded(k, v) and home.get(k) is not v:
+                if adapter.is_offloaded(k, v) and held.get(k) is not v:
                     return f"state {k!r} of param {info.index} was replaced"
     if position != len(infos):
         return "param_groups changed"

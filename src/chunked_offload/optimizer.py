@@ -22,6 +22,7 @@ from .layout import (
     Views,
     chunk_views,
     describe,
+    is_dtensor,
     place,
     plan_layout,
     rehome_state,
@@ -128,6 +129,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         self._inner = inner
         self._adapter = resolve_adapter(inner, adapter)
         self._adapter.check_config()
+        _check_sharding(inner.param_groups, self._adapter, self._mode)
         self.device = _common_device(inner)
         _check_master_mode(inner, self._adapter, self._mode)
         if pin_memory and self.device.type != "cuda":
@@ -260,6 +262,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
             logger.debug("re-planning: %s", reason)
             check_groups(self._inner)
             _check_params(groups)
+            _check_sharding(groups, self._adapter, self._mode)
             try:
                 prepared = self._prepare(groups, self._inner.state)
             except IncompatibleStateError:
@@ -281,7 +284,8 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         old = self._layout
         same_params = old is not None and [i.param for i in old.infos] == [i.param for i in infos]
         if old is not None and same_params and plan == old.plan and not self._offloaded:
-            return _Prepared(infos, Layout(plan, infos, old.homes, old.arena, old.resident_flat, signatures), False)
+            same = Layout(plan, infos, old.homes, old.arena, old.resident_flat, signatures, old.bound)
+            return _Prepared(infos, same, False)
         self._drain()  # the previous layout's homes are read below; no write-back may still be in flight
         layout = place(plan, infos, old, signatures, pin=self._pin, device=self.device, mode=self._mode)
         return _Prepared(infos, layout, True)
@@ -290,14 +294,14 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         """Switch to a prepared layout: move every state tensor into its new home."""
         self._drain()
         layout = prepared.layout
-        rehome_state(self._inner.state, prepared.infos, layout.homes)
+        rehome_state(self._inner.state, layout)
         if prepared.new_memory:
             self._offloaded = False
         self._layout = layout
-        self._binding.homes = layout.homes
+        self._binding.homes, self._binding.bound = layout.homes, layout.bound
         self._binding.index_by_id = {id(info.param): info.index for info in prepared.infos}
         self._binding.dirty = False
-        stepper = ChunkStepper(self._inner, self._adapter, self._mode, layout.infos, layout.homes)
+        stepper = ChunkStepper(self._inner, self._adapter, self._mode, layout)
         self._schedule = StepSchedule(layout, stepper, self._engine, self._pool)
 
     @property
@@ -484,12 +488,14 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         for chunk in layout.plan.resident_chunks:
             views = chunk_views(chunk, layout.infos, flat, shift=-chunk.home_offset, roles=None)
             for i, new_homes in views.items():
-                home = layout.homes[i]
-                entry = self._inner.state.get(layout.infos[i].param)
+                home, old_bound = layout.homes[i], dict(layout.bound[i])
                 for key in list(home):
-                    if entry and entry.get(key) is home[key]:
-                        bind(entry, key, new_homes[key])
                     home[key] = new_homes[key]
+                layout.rebind(i)
+                entry = self._inner.state.get(layout.infos[i].param)
+                for key, held in old_bound.items():
+                    if entry and entry.get(key) is held:
+                        bind(entry, key, layout.bound[i][key])
         layout.resident_flat = flat
 
     # ------------------------------------------------------------------ masters
@@ -576,6 +582,28 @@ def _check_params(groups: Sequence[Mapping[str, Any]]) -> None:
                     "param listed twice would be stepped twice. List each param once (torch only warns about this)"
                 )
             seen[id(p)] = (gi, pi)
+
+
+def _check_sharding(groups: Sequence[Mapping[str, Any]], adapter: Adapter, mode: MasterMode) -> None:
+    """DTensor params: refuse wrapper masters, and sharded params where the update needs whole ones."""
+    for gi, group in enumerate(groups):
+        for p in group["params"]:
+            if not is_dtensor(p):
+                continue
+            if mode is not MasterMode.NONE:
+                raise ValueError(
+                    f"master_weights={mode.value!r} with DTensor params (param group {gi}): keep FSDP2's sharded "
+                    "params in fp32 and compute in bf16 with MixedPrecisionPolicy(param_dtype=torch.bfloat16) "
+                    "instead; the sharded fp32 params are then the masters. Use master_weights='none'"
+                )
+            placements = getattr(p, "placements", ())
+            if adapter.whole_params and any(type(pl).__name__ in ("Shard", "_StridedShard") for pl in placements):
+                raise TypeError(
+                    f"{type(adapter.inner).__name__} updates whole matrices, but a param of param group {gi} is "
+                    f"sharded across ranks ({tuple(placements)}); each rank would orthogonalize only its shard. Keep "
+                    "the Muon params unsharded (do not fully_shard the modules that hold them), or use a Muon that "
+                    "gathers shards itself, with adapter=KeyedAdapter(..., whole_params=False)"
+                )
 
 
 def _common_device(inner: torch.optim.Optimizer) -> torch.device:

@@ -102,10 +102,18 @@ class Bundle:
     Attributes:
         index: the parameter's position in ``param_groups`` order (the id used by ``state_dict``).
         specs: the bundle's tensors, in a fixed order.
+        weight: the bytes the bundle counts for when chunks are packed, when that differs from its slot bytes (a
+            DTensor shard counts as its padded size, so every rank packs the same params together); None: its slot
+            bytes.
     """
 
     index: int
     specs: tuple[TensorSpec, ...]
+    weight: int | None = None
+
+    @property
+    def packing_nbytes(self) -> int:
+        return self.device_nbytes if self.weight is None else self.weight
 
     @property
     def device_nbytes(self) -> int:
@@ -287,17 +295,17 @@ def plan_chunks(
     if indices != sorted(indices) or len(set(indices)) != len(indices):
         raise ValueError(f"bundles must be in strictly increasing parameter order, got indices {indices}")
 
-    total = sum(b.device_nbytes for b in bundles)
+    total = sum(b.packing_nbytes for b in bundles)
     n_offloaded = len(bundles)
     if offload_fraction < 1.0:
         budget, running, n_offloaded = offload_fraction * total, 0, 0
         for b in bundles:
-            if running + b.device_nbytes > budget:
+            if running + b.packing_nbytes > budget:
                 break
-            running += b.device_nbytes
+            running += b.packing_nbytes
             n_offloaded += 1
 
-    offloaded_nbytes = sum(b.device_nbytes for b in bundles[:n_offloaded])
+    offloaded_nbytes = sum(b.packing_nbytes for b in bundles[:n_offloaded])
     budget_bytes = min(chunk_bytes, max(MIN_AUTO_CHUNK_BYTES, -(-offloaded_nbytes // PIPELINE_DEPTH)))
     chunks = _pack(bundles[:n_offloaded], budget_bytes, Home.HOST, first_index=0)
     resident = _pack(bundles[n_offloaded:], budget_bytes, Home.DEVICE, first_index=len(chunks))
@@ -321,10 +329,10 @@ def _pack(bundles: Sequence[Bundle], budget_bytes: int, home: Home, first_index:
         current, current_nbytes = [], 0
 
     for b in bundles:
-        if current and current_nbytes + b.device_nbytes > budget_bytes:
+        if current and current_nbytes + b.packing_nbytes > budget_bytes:
             close()
         current.append(b)
-        current_nbytes += b.device_nbytes
+        current_nbytes += b.packing_nbytes
     if current:
         close()
     return chunks

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .adapters import is_dense
-from .layout import stepped_like
+from .layout import local, stepped_like
 from .planner import Role, TensorSpec
 from .state_table import bind
 
@@ -241,7 +241,7 @@ def _validate(
             spec = expected.get(key)
             if isinstance(value, torch.Tensor) and spec is not None:
                 value = adapter.from_checkpoint(key, value, spec)
-            _check_tensor(where, key, value, spec)
+            _check_tensor(where, key, local(value) if isinstance(value, torch.Tensor) else value, spec)
             converted[key] = value
         master = entry.get(MASTER_KEY)
         if master is not None and info.has_master:

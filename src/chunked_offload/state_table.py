@@ -37,6 +37,7 @@ class StateBinding:
 
     def __init__(self, synchronize: Callable[[], None], is_offloaded: Callable[[str, object], bool]) -> None:
         self.homes: dict[int, dict[str, torch.Tensor]] = {}
+        self.bound: dict[int, dict[str, torch.Tensor]] = {}  # what entries hold: the home, or a DTensor over it
         self.index_by_id: dict[int, int] = {}
         self.stepping = False
         self.dirty = False
@@ -50,15 +51,17 @@ class StateBinding:
         """The value a state entry should keep when ``value`` is assigned to ``key`` (see [Note: Absorbing writes])."""
         if self.stepping or index is None or not self._is_offloaded(key, value):
             return value
-        home = self.homes.get(index, {}).get(key)
-        if value is home:
+        home, held = self.homes.get(index, {}).get(key), self.bound.get(index, {}).get(key)
+        if value is held or held is None:
+            self.dirty = self.dirty or held is None
             return value
-        if home is None or value.shape != home.shape or value.dtype != home.dtype:
+        shard = getattr(value, "_local_tensor", value)  # a DTensor's local shard
+        if home is None or shard.shape != home.shape or shard.dtype != home.dtype:
             self.dirty = True
             return value
         self._synchronize()  # the last step's write-back into this home must land before it is overwritten
-        home.copy_(value)
-        return home
+        home.copy_(shard)
+        return held
 
 
 class StateEntry(dict):  # type: ignore[type-arg]

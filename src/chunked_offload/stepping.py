@@ -10,7 +10,7 @@ import torch
 from torch.autograd.profiler import record_function
 
 from .adapters import Adapter, GroupCounters
-from .layout import BACKUP, ParamInfo, Views
+from .layout import BACKUP, Layout, ParamInfo, Views, like_param, local, same_tensor
 from .masters import (
     GRAD32,
     MASTER,
@@ -79,7 +79,7 @@ class ChunkTxn:
         for swap in reversed(self.swaps):
             _undo_swap(swap)
         for p, backup in self.backups:
-            p.detach().copy_(backup)
+            local(p).detach().copy_(backup)
         for t, saved in self.scalars:
             t.copy_(saved)
         for p, before in self.entries.items():
@@ -133,18 +133,15 @@ class ChunkStepper:
         inner: the wrapped optimizer.
         adapter: its adapter.
         mode: the master-weights mode.
-        infos: every parameter, by index.
-        homes: home views of every parameter.
+        layout: every parameter, and its homes.
     """
 
-    def __init__(
-        self, inner: torch.optim.Optimizer, adapter: Adapter, mode: MasterMode, infos: Sequence[ParamInfo], homes: Views
-    ) -> None:
+    def __init__(self, inner: torch.optim.Optimizer, adapter: Adapter, mode: MasterMode, layout: Layout) -> None:
         self.inner = inner
         self.adapter = adapter
         self.mode = mode
-        self.infos = infos
-        self.homes = homes
+        self.layout = layout
+        self.infos = layout.infos
         self._step = raw_step(inner)
         self._narrowed: dict[int, list[list[torch.Tensor]]] = {}  # chunk index -> its params, group by group
 
@@ -161,7 +158,7 @@ class ChunkStepper:
                     self._prepare_master(info, views[info.index])
             txn.backups = [(info.param, views[info.index][BACKUP]) for info in stepped]
             if txn.backups:
-                torch._foreach_copy_([b for _, b in txn.backups], [p.detach() for p, _ in txn.backups])
+                torch._foreach_copy_([b for _, b in txn.backups], [local(p).detach() for p, _ in txn.backups])
             for info in stepped:
                 if info.has_master:
                     txn.swaps.append(self._swap_in_master(info, views[info.index]))
@@ -222,7 +219,7 @@ class ChunkStepper:
                 continue
             for spec in info.state_specs:
                 if spec.key in entry:
-                    bind(entry, spec.key, views[info.index][spec.key])
+                    bind(entry, spec.key, like_param(views[info.index][spec.key], info.param))
 
     def _prepare_master(self, info: ParamInfo, views: dict[str, torch.Tensor]) -> None:
         p = info.param.detach()
@@ -288,19 +285,20 @@ class ChunkStepper:
                     f"does not hold (planned: {sorted(specs)}); the adapter does not match the optimizer"
                 )
             for key, spec in specs.items():
-                t = entry.get(key)
-                if t is None:
+                value = entry.get(key)
+                if value is None:
                     continue
-                home = self.homes[info.index][key]
+                t = local(value)
+                home = self.layout.homes[info.index][key]
                 if fresh:
                     _check_matches(t, spec, info.index)
                     fresh_pairs.append((home, t))
                 else:
                     view = views[info.index][key]
-                    if t is not view:
+                    if not same_tensor(t, view):
                         _check_matches(t, spec, info.index)
                         view.copy_(t)
-                bind(entry, key, home)
+                bind(entry, key, self.layout.bound[info.index][key])
         return fresh_pairs
 
 

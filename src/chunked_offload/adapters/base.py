@@ -65,6 +65,9 @@ class Adapter:
     #: Existing state that does not match :meth:`predict_state` (a missing required key, another shape or dtype)
     #: makes the inner optimizer fail; the wrapper then refuses the step before anything is modified.
     strict = False
+    #: The update of a param needs the whole param (Muon orthogonalizes whole matrices): DTensor params sharded by
+    #: FSDP2 are refused, unless the inner optimizer gathers them itself (then set this False).
+    whole_params = False
 
     def __init__(self, inner: torch.optim.Optimizer) -> None:
         self.inner = inner
@@ -135,6 +138,7 @@ class KeyedAdapter(Adapter):
         name: adapter name, for messages.
         lazy: keys the inner optimizer creates whenever they are missing, even in a non-empty state entry.
         strict: whether existing state must match the prediction (see :attr:`Adapter.strict`).
+        whole_params: whether the update needs whole params (see :attr:`Adapter.whole_params`).
     """
 
     def __init__(
@@ -145,12 +149,14 @@ class KeyedAdapter(Adapter):
         *,
         lazy: Sequence[str] = (),
         strict: bool = False,
+        whole_params: bool = False,
     ) -> None:
         super().__init__(inner)
         self._keys_for_group = keys_for_group
         self._lazy = frozenset(lazy)
         self.name = name
         self.strict = strict
+        self.whole_params = whole_params
 
     def _predict(self, stepped: torch.Tensor, group: dict[str, Any]) -> list[TensorSpec]:
         return like(self._keys_for_group(group), stepped)

@@ -18,5 +18,7 @@ def emerging_adapter(inner: torch.optim.Optimizer) -> Adapter | None:
     """
     cls = type(inner)
     if cls.__name__ == "Muon" and cls.__module__.startswith("emerging_optimizers."):
-        return KeyedAdapter(inner, lambda group: ["momentum_buffer"], "emerging_optimizers.Muon", strict=True)
+        return KeyedAdapter(
+            inner, lambda group: ["momentum_buffer"], "emerging_optimizers.Muon", strict=True, whole_params=True
+        )
     return None

@@ -141,7 +141,8 @@ def _known() -> list[tuple[type, Callable[[torch.optim.Optimizer], Adapter]]]:
     if hasattr(optim, "Adafactor"):
         table.append((optim.Adafactor, AdafactorAdapter))
     if hasattr(optim, "Muon"):
-        table.append((optim.Muon, keyed(_fixed("momentum_buffer"), "torch.Muon", lazy=["momentum_buffer"])))
+        muon = keyed(_fixed("momentum_buffer"), "torch.Muon", lazy=["momentum_buffer"], whole_params=True)
+        table.append((optim.Muon, muon))
     return table
 
 

@@ -1,0 +1,19 @@
+"""FSDP2 with NCCL on one GPU (world size 1): parity with the unwrapped optimizer, and the GPU window."""
+
+from __future__ import annotations
+
+import pytest
+import torch.multiprocessing as mp
+
+import dist_cases
+from test_distributed import _free_port
+
+pytestmark = pytest.mark.cuda
+
+
+def test_fsdp2_on_one_gpu_matches_unwrapped_within_the_window() -> None:
+    with mp.Manager() as manager:
+        result = manager.dict()
+        mp.spawn(dist_cases.fsdp2_gpu_window, args=(1, _free_port(), "nccl", result), nprocs=1, join=True)
+        peak, bound = result[0]
+    assert peak <= bound + 64 * 2**20, f"peak {peak / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB"

@@ -1,0 +1,224 @@
+"""Worker functions for tests/test_distributed.py, run in spawned processes (one per rank)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from chunked_offload import ChunkedOffloadOptimizer
+
+STEPS = 20
+
+
+def _init(rank: int, world: int, port: int, backend: str) -> torch.device:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        return torch.device("cuda", rank)
+    return torch.device("cpu")
+
+
+def _model(device: torch.device, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    # Odd sizes: FSDP2's Shard(0) splits 33 and 17 rows unevenly between two ranks.
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 33), torch.nn.GELU(), torch.nn.Linear(33, 17), torch.nn.GELU(), torch.nn.Linear(17, 4)
+    ).to(device)
+
+
+def _shard(model: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _batch(step: int, rank: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 16, generator=gen).to(device), torch.randn(8, 4, generator=gen).to(device)
+
+
+def _train(model: torch.nn.Module, opt: Any, steps: range, rank: int, device: torch.device) -> None:
+    for step in steps:
+        x, y = _batch(step, rank, device)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _assert_same(a: torch.nn.Module, b: torch.nn.Module, opt_a: Any, opt_b: Any) -> None:
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(_local(pa.detach()), _local(pb.detach())), "params differ"
+        sa, sb = opt_a.state[pa], opt_b.state[pb]
+        assert set(sa) == set(sb)
+        for key in sa:
+            va, vb = _local(sa[key]), _local(sb[key])
+            assert torch.equal(va.cpu(), vb.cpu()), f"state {key} differs"
+            assert type(sa[key]) is type(sb[key]), f"state {key}: {type(sa[key])} vs {type(sb[key])}"
+
+
+INNERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, foreach=True),
+}
+
+
+def fsdp2_parity(rank: int, world: int, port: int, backend: str, inner: str, result: Any) -> None:
+    """FSDP2 training with the wrapper equals FSDP2 with the unwrapped optimizer, shard by shard; the plans agree."""
+    device = _init(rank, world, port, backend)
+    try:
+        plain_model, wrapped_model = _shard(_model(device)), _shard(_model(device))
+        plain = INNERS[inner](plain_model.parameters())
+        wrapped = ChunkedOffloadOptimizer(INNERS[inner](wrapped_model.parameters()), chunk_size_mb=0.002)
+        _train(plain_model, plain, range(STEPS), rank, device)
+        _train(wrapped_model, wrapped, range(STEPS), rank, device)
+        wrapped.synchronize()
+        _assert_same(plain_model, wrapped_model, plain, wrapped)
+        membership = [chunk.params for chunk in wrapped.plan.all_chunks]
+        fingerprint = hashlib.sha256(repr(membership).encode()).hexdigest()
+        fingerprints: list[str | None] = [None] * world
+        dist.all_gather_object(fingerprints, fingerprint)
+        assert len(set(fingerprints)) == 1, f"chunk plans differ across ranks: {fingerprints}"
+        local_shapes = [tuple(_local(p).shape) for p in wrapped_model.parameters()]
+        result[rank] = (len(membership), local_shapes)
+    finally:
+        dist.destroy_process_group()
+
+
+def ddp_parity(rank: int, world: int, port: int, backend: str, inner: str, result: Any) -> None:
+    """DDP training with the wrapper equals DDP with the unwrapped optimizer on every rank."""
+    device = _init(rank, world, port, backend)
+    try:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        plain_model, wrapped_model = DDP(_model(device)), DDP(_model(device))
+        plain = INNERS[inner](plain_model.parameters())
+        wrapped = ChunkedOffloadOptimizer(INNERS[inner](wrapped_model.parameters()), chunk_size_mb=0.002)
+        _train(plain_model, plain, range(STEPS), rank, device)
+        _train(wrapped_model, wrapped, range(STEPS), rank, device)
+        wrapped.synchronize()
+        _assert_same(plain_model, wrapped_model, plain, wrapped)
+        result[rank] = True
+    finally:
+        dist.destroy_process_group()
+
+
+def fsdp2_dcp_roundtrip(rank: int, world: int, port: int, backend: str, path: str, result: Any) -> None:
+    """DCP save/load of the wrapper under FSDP2, into a wrapper and from a plain optimizer's checkpoint, exactly."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    device = _init(rank, world, port, backend)
+    make = INNERS["adamw-foreach"]
+    try:
+        reference = _shard(_model(device))
+        ref_opt = make(reference.parameters())
+        _train(reference, ref_opt, range(12), rank, device)
+
+        for saved_wrapped in (True, False):
+            first = _shard(_model(device))
+            opt = make(first.parameters())
+            if saved_wrapped:
+                opt = ChunkedOffloadOptimizer(opt, chunk_size_mb=0.002)
+            _train(first, opt, range(5), rank, device)
+            checkpoint = f"{path}/{saved_wrapped}"
+            dcp.save(
+                {"model": get_model_state_dict(first), "optim": get_optimizer_state_dict(first, opt)},
+                checkpoint_id=checkpoint,
+            )
+            resumed = _shard(_model(device, seed=1))
+            resumed_opt = ChunkedOffloadOptimizer(make(resumed.parameters()), chunk_size_mb=0.002)
+            target = {"model": get_model_state_dict(resumed), "optim": get_optimizer_state_dict(resumed, resumed_opt)}
+            dcp.load(target, checkpoint_id=checkpoint)
+            set_model_state_dict(resumed, target["model"])
+            set_optimizer_state_dict(resumed, resumed_opt, target["optim"])
+            _train(resumed, resumed_opt, range(5, 12), rank, device)
+            resumed_opt.synchronize()
+            _assert_same(reference, resumed, ref_opt, resumed_opt)
+
+            # And back: the wrapper's checkpoint loads into the plain FSDP2 optimizer.
+            back = f"{path}/back-{saved_wrapped}"
+            dcp.save({"optim": get_optimizer_state_dict(resumed, resumed_opt)}, checkpoint_id=back)
+            plain_target = {"optim": get_optimizer_state_dict(reference, make(reference.parameters()))}
+            dcp.load(plain_target, checkpoint_id=back)
+        result[rank] = True
+    finally:
+        dist.destroy_process_group()
+
+
+def fsdp2_refusals(rank: int, world: int, port: int, backend: str, result: Any) -> None:
+    """Muon over sharded matrices and wrapper masters over DTensor params are refused with clear errors."""
+    device = _init(rank, world, port, backend)
+    try:
+        model = _shard(_model(device))
+        messages = []
+        matrices = [p for p in model.parameters() if p.dim() == 2]
+        for make, kw in (
+            (lambda: torch.optim.Muon(matrices, lr=1e-2), {}),
+            (lambda: torch.optim.AdamW(model.parameters()), {"master_weights": "fp32"}),
+        ):
+            try:
+                ChunkedOffloadOptimizer(make(), **kw)
+            except (TypeError, ValueError) as exc:
+                messages.append(str(exc))
+        result[rank] = messages
+    finally:
+        dist.destroy_process_group()
+
+
+def fsdp2_gpu_window(rank: int, world: int, port: int, backend: str, result: Any) -> None:
+    """FSDP2 on a GPU: parity with the unwrapped optimizer, and the step's peak within the window bound."""
+    device = _init(rank, world, port, backend)
+    try:
+        from torch.distributed.fsdp import fully_shard
+
+        def model() -> torch.nn.Module:
+            torch.manual_seed(0)
+            m = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).to(device)
+            for layer in m:
+                fully_shard(layer)
+            return fully_shard(m)
+
+        plain_model, wrapped_model = model(), model()
+        plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-3, fused=True)
+        wrapped = ChunkedOffloadOptimizer(
+            torch.optim.AdamW(wrapped_model.parameters(), lr=1e-3, fused=True), chunk_size_mb=32
+        )
+        peaks = []
+        for step in range(6):
+            for m, o in ((plain_model, plain), (wrapped_model, wrapped)):
+                gen = torch.Generator(device=device).manual_seed(step)
+                x = torch.randn(64, 2048, generator=gen, device=device)
+                m(x).square().mean().backward()
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                o.step()
+                torch.cuda.synchronize()
+                if o is wrapped:
+                    peaks.append(torch.cuda.max_memory_allocated() - base)
+                o.zero_grad()
+        wrapped.synchronize()
+        _assert_same(plain_model, wrapped_model, plain, wrapped)
+        result[rank] = (max(peaks), wrapped.plan.window_bound_nbytes)
+    finally:
+        dist.destroy_process_group()

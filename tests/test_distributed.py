@@ -1,0 +1,57 @@
+"""Distributed: FSDP2 (DTensor params) and DDP with the wrapper, two processes on the CPU (gloo), and DCP.
+
+tests/cuda/test_distributed_cuda.py runs FSDP2 with NCCL on one GPU.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import dist_cases
+
+WORLD = 2
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spawn(fn: Any, *args: Any) -> dict[int, Any]:
+    with mp.Manager() as manager:
+        result = manager.dict()
+        mp.spawn(fn, args=(WORLD, _free_port(), "gloo", *args, result), nprocs=WORLD, join=True)
+        return dict(result)
+
+
+@pytest.mark.parametrize("inner", ["adamw-foreach", "adamw-fused", "sgd-momentum"])
+def test_fsdp2_matches_unwrapped_and_every_rank_has_the_same_plan(inner: str) -> None:
+    result = _spawn(dist_cases.fsdp2_parity, inner)
+    (chunks0, shapes0), (chunks1, shapes1) = result[0], result[1]
+    assert chunks0 == chunks1 and chunks0 > 2
+    assert shapes0 != shapes1  # uneven shards: the ranks hold different bytes, and still plan the same chunks
+
+
+@pytest.mark.parametrize("inner", ["adamw-foreach", "sgd-momentum"])
+def test_ddp_matches_unwrapped(inner: str) -> None:
+    assert _spawn(dist_cases.ddp_parity, inner) == {0: True, 1: True}
+
+
+def test_fsdp2_dcp_checkpoints_round_trip_with_plain_and_wrapped(tmp_path: Path) -> None:
+    assert _spawn(dist_cases.fsdp2_dcp_roundtrip, str(tmp_path)) == {0: True, 1: True}
+
+
+def test_fsdp2_refuses_sharded_muon_and_wrapper_masters() -> None:
+    messages = _spawn(dist_cases.fsdp2_refusals)[0]
+    assert len(messages) == 2
+    assert "updates whole matrices" in messages[0] and "sharded across ranks" in messages[0]
+    assert "MixedPrecisionPolicy" in messages[1]
