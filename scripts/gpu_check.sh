@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # One device call: every cuda-marked test, the example and the benchmarks, with a short table at the end.
-#   bash scripts/gpu_check.sh [--quick] [--sanitize] [--bench NAME ...]
+#   bash scripts/gpu_check.sh [--quick] [--no-tests] [--sanitize] [--bench NAME ...]
 # Runs with the machine's python3 and PYTHONPATH=src (no virtualenv, no install): what the GPU image has.
 # Wheels carried in .whl/ (see the device README) are installed into /tmp/site first; Transformer Engine staged
 # with ../shared/gpu/te-prepare.sh is picked up from /tmp/te-site when present.
 #   --quick     tests only (no example, no benchmarks)
+#   --no-tests  skip the cuda tier (for a second call that runs the benchmarks)
 #   --sanitize  also run compute-sanitizer (memcheck, then synccheck) over a subset of the cuda tier
 #   --bench X   run benchmarks/X.py (repeatable); default: bench_step
 set -uo pipefail
 cd "$(dirname "$0")/.."
-quick=0 sanitize=0 benches=()
+quick=0 tests=1 sanitize=0 benches=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) quick=1 ;;
+    --no-tests) tests=0 ;;
     --sanitize) sanitize=1 ;;
     --bench) shift; benches+=("$1") ;;
     *) echo "unknown argument $1"; exit 2 ;;
@@ -36,9 +38,11 @@ export CHUNKED_OFFLOAD_SHA=${CHUNKED_OFFLOAD_SHA:-$(git rev-parse --short HEAD 2
   python3 -c "import emerging_optimizers as e; print('emerging_optimizers', e.__version__)" 2>&1 | tail -n 1
 } 2>&1 | tee "$out/machine.txt"
 
-python3 -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tee "$out/pytest_cuda.log" | tail -n 40
-test_rc=${PIPESTATUS[0]}
-summary=("cuda tests rc=$test_rc: $(tail -n 1 "$out/pytest_cuda.log")")
+summary=()
+if [ $tests -eq 1 ]; then
+  python3 -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tee "$out/pytest_cuda.log" | tail -n 40
+  summary+=("cuda tests rc=${PIPESTATUS[0]}: $(tail -n 1 "$out/pytest_cuda.log")")
+fi
 
 if [ $sanitize -eq 1 ]; then
   for tool in memcheck synccheck; do
