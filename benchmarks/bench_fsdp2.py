@@ -153,8 +153,15 @@ def worker(rank: int, world: int, port: int, args: Any, ckpt: str, result: Any) 
         set_optimizer_state_dict,
     )
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), CUBLAS_WORKSPACE_CONFIG=":4096:8")
     cuda = torch.cuda.is_available()
+    # Bitwise comparisons need deterministic kernels: the embedding's backward and fused attention's backward
+    # accumulate with atomics otherwise, so two runs of the same unwrapped model would already differ.
+    torch.use_deterministic_algorithms(True)
+    if cuda:
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:

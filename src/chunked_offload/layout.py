@@ -62,12 +62,17 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def like_param(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """``t`` (a local tensor) as the inner optimizer keeps state for ``param``: a DTensor placed like a DTensor param.
 
-    This is what ``torch.zeros_like(param)`` gives a DTensor param: the same mesh, placements, global shape and strides.
+    This is what ``torch.zeros_like(param)`` gives a DTensor param: the same mesh, placements, global shape and strides,
+    over ``t`` itself. ``DTensor.from_local`` would copy a host ``t`` to the mesh's device; the DTensor is built
+    directly instead, so a host home stays on the host (as DCP's own CPU offload builds them).
     """
     if not is_dtensor(param):
         return t
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
     p: Any = param
-    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    spec = DTensorSpec(p.device_mesh, tuple(p.placements), tensor_meta=TensorMeta(p.shape, p.stride(), t.dtype))
+    return DTensor(t, spec, requires_grad=False)
 
 
 def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -38,7 +38,7 @@ from .masters import (
     needs_master,
     reconcile_master,
 )
-from .planner import Chunk, ChunkPlan
+from .planner import Chunk, ChunkPlan, Role
 from .schedule import StepSchedule
 from .staging import StagingPool
 from .state_table import StateBinding, StateTable, bind
@@ -46,6 +46,8 @@ from .stepping import ChunkStepper
 from .transfer import TransferEngine
 
 __all__ = ["ChunkedOffloadOptimizer"]
+
+_MOVING = tuple(role for role in Role if role.moves)  # what a home holds: scratch lives in the slots only
 
 logger = logging.getLogger(__name__)
 
@@ -486,7 +488,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
     def _rehome_resident(self, flat: torch.Tensor) -> None:
         layout = self._require_layout()
         for chunk in layout.plan.resident_chunks:
-            views = chunk_views(chunk, layout.infos, flat, shift=-chunk.home_offset, roles=None)
+            views = chunk_views(chunk, layout.infos, flat, shift=-chunk.home_offset, roles=_MOVING)
             for i, new_homes in views.items():
                 home, old_bound = layout.homes[i], dict(layout.bound[i])
                 for key in list(home):

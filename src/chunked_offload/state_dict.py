@@ -153,6 +153,7 @@ def load(opt: ChunkedOffloadOptimizer, state_dict: Any) -> None:
         for k, v in new_entry.items():
             bind(entry, k, v)  # offloaded tensors are the checkpoint's; _install copies them into their homes
     opt._install(prepared)
+    opt.adapter.after_load([info.param for info in opt._infos if info.param in table])
     for info in opt._infos:
         if info.has_master:
             master = (entries.get(info.index) or {}).get(MASTER_KEY)

@@ -105,6 +105,9 @@ class Adapter:
     def verify_bound(self, params: Sequence[torch.Tensor], state: Mapping[torch.Tensor, Any]) -> None:
         """Check the state of a chunk's params right before the inner step (after binding the device views)."""
 
+    def after_load(self, params: Sequence[torch.Tensor]) -> None:
+        """Called after ``load_state_dict`` installed state for ``params`` without the inner's own load."""
+
     def to_checkpoint(self, key: str, value: torch.Tensor) -> torch.Tensor:
         """A state tensor as the inner optimizer's own ``state_dict()`` would return it (default: as it is)."""
         return value

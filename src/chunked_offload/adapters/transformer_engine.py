@@ -98,6 +98,18 @@ class TEFusedAdamAdapter(Adapter):
                             "memory and would write through the raw pointer regardless"
                         )
 
+    def after_load(self, params: Sequence[torch.Tensor]) -> None:
+        # FusedAdam keeps a scale per non-fp32 state in _scales, created by its own state initialisation; for bf16
+        # moments it stays 1 (the bf16 path never rescales). State installed from a checkpoint needs it too.
+        inner: Any = self.inner
+        for p in params:
+            state = inner.state.get(p) or {}
+            for key in _MOMENTS:
+                if key in state and inner.name_to_dtype_map[key] != torch.float32:
+                    scales = inner._scales.setdefault(p, {})
+                    if key not in scales:
+                        scales[key] = torch.ones([1], dtype=torch.float32, device=p.device)
+
     def to_checkpoint(self, key: str, value: torch.Tensor) -> torch.Tensor:
         if key in _MOMENTS and value.dtype == torch.bfloat16:
             return value.float()  # exact, as FusedAdam.get_unscaled_state returns it
