@@ -218,7 +218,7 @@ def test_host_arena_is_page_locked_and_exact_size() -> None:
 
 
 def test_resume_with_state_many_times_the_free_gpu_memory() -> None:
-    # 0.54e9 fp32 params in 64 bundles of 64 MiB: 4.3 GB of Adam state, loaded and stepped while only 400 MB
+    # 0.54e9 fp32 params in 64 bundles of 64 MiB: 4.3 GB of Adam state, loaded and stepped while only 512 MiB
     # beyond params and grads may be allocated (the window is 2 x 128 MiB).
     shapes = [(2048, 4096)] * 64
     params = make_params(shapes, torch.float32, "cuda")
@@ -249,11 +249,12 @@ def test_resume_with_state_many_times_the_free_gpu_memory() -> None:
     torch.cuda.empty_cache()
 
     total = torch.cuda.get_device_properties(0).total_memory
-    allowed = torch.cuda.memory_allocated() + 400 * MiB
+    # The window bound (2 x 128 MiB) plus 256 MiB for the allocator's rounding and what it holds back.
+    allowed = torch.cuda.memory_allocated() + 512 * MiB
     torch.cuda.set_per_process_memory_fraction(allowed / total)
     try:
         opt = ChunkedOffloadOptimizer(_fused_adamw(params), chunk_size_mb=128)
-        assert opt.plan.host_nbytes >= 10 * 400 * MiB
+        assert opt.plan.host_nbytes >= 8 * 512 * MiB
         opt.load_state_dict(sd)
         opt.step()
         torch.cuda.synchronize()
@@ -303,13 +304,21 @@ def test_memory_between_steps_returns_to_the_allocator() -> None:
     opt = ChunkedOffloadOptimizer(torch.optim.AdamW(params, lr=1e-2), chunk_size_mb=32)
     for p in params:
         p.grad = torch.ones_like(p)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
+
+    def settled() -> int:
+        # Blocks freed with record_stream count as allocated until the allocator processes their events, which
+        # empty_cache() does (earlier tests leave such blocks too).
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_allocated()
+
+    before = settled()
     for _ in range(3):
         opt.step()
         opt.synchronize()
-        torch.cuda.synchronize()
-        assert torch.cuda.memory_allocated() == before  # non-fused AdamW keeps its step counters on the host
+        assert settled() == before  # non-fused AdamW keeps its step counters on the host
+    opt.step()
+    torch.cuda.synchronize()
     reserved = torch.cuda.memory_reserved()
     for _ in range(3):
         opt.step()

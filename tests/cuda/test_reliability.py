@@ -45,6 +45,8 @@ def _inject(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
         before(ChunkStepper, "_narrowed_step", lambda self: None, SLEEP)
     elif where == "h2d":
         before(TransferEngine, "stage_in", lambda self: self.h2d_stream, SLEEP)
+    elif where.startswith("one-chunk"):  # longer than the host's work between two steps (making the grads)
+        before(TransferEngine, "write_back", lambda self: self.d2h_stream, 100 * SLEEP)
     else:  # every write-back starts late: the next step, state_dict() and offload() follow at once
         before(TransferEngine, "write_back", lambda self: self.d2h_stream, 10 * SLEEP)
 
