@@ -30,7 +30,9 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 [ -d /tmp/te-site ] && export PYTHONPATH="/tmp/te-site:${PYTHONPATH:-}"
 export PYTHONPATH="src:tests${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export CHUNKED_OFFLOAD_SHA=${CHUNKED_OFFLOAD_SHA:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# The device's copy of the tree carries git metadata that is not the checkout's: pass the commit from the checkout,
+#   CHUNKED_OFFLOAD_SHA=$(git rev-parse --short HEAD) bash scripts/gpu_check.sh
+export CHUNKED_OFFLOAD_SHA=${CHUNKED_OFFLOAD_SHA:-unknown}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   grep -E "MemTotal|MemAvailable" /proc/meminfo
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
