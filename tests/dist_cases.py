@@ -77,24 +77,29 @@ INNERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 }
 
 
+def _parity(engine: Callable[[torch.nn.Module], torch.nn.Module], inner: str, rank: int, device: torch.device) -> Any:
+    """Train the same model under ``engine`` with the unwrapped and the wrapped optimizer; both must end equal."""
+    plain_model, wrapped_model = engine(_model(device)), engine(_model(device))
+    plain = INNERS[inner](plain_model.parameters())
+    wrapped = ChunkedOffloadOptimizer(INNERS[inner](wrapped_model.parameters()), chunk_size_mb=0.002)
+    _train(plain_model, plain, range(STEPS), rank, device)
+    _train(wrapped_model, wrapped, range(STEPS), rank, device)
+    wrapped.synchronize()
+    _assert_same(plain_model, wrapped_model, plain, wrapped)
+    return wrapped_model, wrapped
+
+
 def fsdp2_parity(rank: int, world: int, port: int, backend: str, inner: str, result: Any) -> None:
     """FSDP2 training with the wrapper equals FSDP2 with the unwrapped optimizer, shard by shard; the plans agree."""
     device = _init(rank, world, port, backend)
     try:
-        plain_model, wrapped_model = _shard(_model(device)), _shard(_model(device))
-        plain = INNERS[inner](plain_model.parameters())
-        wrapped = ChunkedOffloadOptimizer(INNERS[inner](wrapped_model.parameters()), chunk_size_mb=0.002)
-        _train(plain_model, plain, range(STEPS), rank, device)
-        _train(wrapped_model, wrapped, range(STEPS), rank, device)
-        wrapped.synchronize()
-        _assert_same(plain_model, wrapped_model, plain, wrapped)
+        model, wrapped = _parity(_shard, inner, rank, device)
         membership = [chunk.params for chunk in wrapped.plan.all_chunks]
         fingerprint = hashlib.sha256(repr(membership).encode()).hexdigest()
         fingerprints: list[str | None] = [None] * world
         dist.all_gather_object(fingerprints, fingerprint)
         assert len(set(fingerprints)) == 1, f"chunk plans differ across ranks: {fingerprints}"
-        local_shapes = [tuple(_local(p).shape) for p in wrapped_model.parameters()]
-        result[rank] = (len(membership), local_shapes)
+        result[rank] = (len(membership), [tuple(_local(p).shape) for p in model.parameters()])
     finally:
         dist.destroy_process_group()
 
@@ -105,13 +110,7 @@ def ddp_parity(rank: int, world: int, port: int, backend: str, inner: str, resul
     try:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        plain_model, wrapped_model = DDP(_model(device)), DDP(_model(device))
-        plain = INNERS[inner](plain_model.parameters())
-        wrapped = ChunkedOffloadOptimizer(INNERS[inner](wrapped_model.parameters()), chunk_size_mb=0.002)
-        _train(plain_model, plain, range(STEPS), rank, device)
-        _train(wrapped_model, wrapped, range(STEPS), rank, device)
-        wrapped.synchronize()
-        _assert_same(plain_model, wrapped_model, plain, wrapped)
+        _parity(DDP, inner, rank, device)
         result[rank] = True
     finally:
         dist.destroy_process_group()
