@@ -428,3 +428,12 @@ def test_group_counters_advance_once_per_step_for_every_group() -> None:
             o.step()
     assert [g["step"] for g in opt.param_groups] == [g["step"] for g in ref.param_groups] == [6, 6, 6]
     _assert_same(ref, ref_params, opt, params)
+
+
+def test_a_param_replaced_in_place_in_param_groups_is_replanned() -> None:
+    ref, ref_params, opt, params = _pair(lambda ps: torch.optim.AdamW(ps, lr=1e-2), chunk_size_mb=0.001)
+    assert_runs_match(ref, ref_params, opt, params, 2)
+    for o, ps in ((ref, ref_params), (opt, params)):
+        ps[2] = make_params([ps[2].shape], seed=11)[0]  # same shape and position, another tensor
+        o.param_groups[0]["params"][2] = ps[2]
+    assert_runs_match(ref, ref_params, opt, params, 3, first_step=2)

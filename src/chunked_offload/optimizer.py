@@ -284,7 +284,11 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         )
         signatures = [self._adapter.layout_signature(dict(g)) for g in groups]
         old = self._layout
-        same_params = old is not None and [i.param for i in old.infos] == [i.param for i in infos]
+        same_params = (
+            old is not None
+            and len(old.infos) == len(infos)
+            and all(a.param is b.param for a, b in zip(old.infos, infos, strict=True))  # identity: == compares values
+        )
         if old is not None and same_params and plan == old.plan and not self._offloaded:
             same = Layout(plan, infos, old.homes, old.arena, old.resident_flat, signatures, old.bound)
             return _Prepared(infos, same, False)
