@@ -435,9 +435,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         """Add a group to the inner optimizer and extend the chunk plan (the host copies move once)."""
         self._inner.add_param_group(param_group)
         try:
-            check_groups(self._inner)
-            _check_params(self._inner.param_groups)
-            self._sync(force=True)
+            self._sync(force=True)  # checks the groups and params before it re-plans
         except BaseException:
             self._inner.param_groups.pop()
             raise

@@ -115,13 +115,15 @@ class StepSchedule:
         pool.release(engine.d2h_stream)
 
     # ------------------------------------------------------------------ one chunk
-    def _home_region(self, chunk: Chunk, nbytes: int) -> torch.Tensor:
+    def _home_region(self, chunk: Chunk, nbytes: int, offset: int = 0) -> torch.Tensor:
+        """``nbytes`` of the chunk's moving bytes in its home, from chunk byte ``offset``."""
+        start = chunk.home_offset + offset
         if chunk.home is Home.HOST:
-            return self.layout.arena.region(chunk.home_offset, nbytes)
+            return self.layout.arena.region(start, nbytes)
         flat = self.layout.resident_flat
         if flat is None:
             raise RuntimeError("the resident chunks have no memory; call opt.reload()")
-        return flat[chunk.home_offset : chunk.home_offset + nbytes]
+        return flat[start : start + nbytes]
 
     def _stage(self, chunk: Chunk, slot: Slot) -> torch.cuda.Event | None:
         """The H2D (a D2D for resident chunks) of a chunk that has state; see [Note: Two-slot staging]."""
@@ -151,7 +153,7 @@ class StepSchedule:
         extra = wrapper_nbytes + chunk.region_nbytes[2]
         device = self.pool.device
         temp = torch.empty(extra, dtype=torch.uint8, device=device) if extra else None
-        wrapper_home = self._home_region_at(chunk, chunk.state_nbytes, wrapper_nbytes)
+        wrapper_home = self._home_region(chunk, wrapper_nbytes, offset=chunk.state_nbytes)
         h2d = [(temp[:wrapper_nbytes], wrapper_home)] if temp is not None and wrapper_nbytes else []
         event = engine.stage_in(slot, h2d, fresh_memory=True)
         engine.wait_staged(slot, event)
@@ -167,9 +169,6 @@ class StepSchedule:
                 pairs.append((wrapper_home, temp[:wrapper_nbytes]))
             retain.append(temp)
         return _Pending(slot, txn, pairs, retain)
-
-    def _home_region_at(self, chunk: Chunk, offset: int, nbytes: int) -> torch.Tensor:
-        return self._home_region(chunk, offset + nbytes)[offset:]
 
     def _has_state(self, chunk: Chunk) -> bool:
         if chunk.state_nbytes == 0:

@@ -124,12 +124,12 @@ def load(opt: ChunkedOffloadOptimizer, state_dict: Any) -> None:
         if not entry:
             continue
         values = {}
+        # Small tensors are placed as for the tensor the inner steps: under masters the fp32 master, not the param.
+        stepped = torch.empty(0, dtype=opt._stepped_dtype(info.param), device=info.param.device)
         for key, value in entry.items():
             if key == MASTER_KEY:
                 continue
             if isinstance(value, torch.Tensor) and not opt.adapter.is_offloaded(key, value):
-                # Placed as for the tensor the inner steps: under masters that is the fp32 master, not the param.
-                stepped = torch.empty(0, dtype=opt._stepped_dtype(info.param), device=info.param.device)
                 value = _place_scalar(stepped, value, saved_ids[info.index], saved_groups, key)
             values[key] = value
         state[info.param] = values

@@ -184,32 +184,25 @@ class ChunkStepper:
         It changes no param, but it advances what the inner advances on every call, as plain torch would
         (Transformer Engine's ``group["step"]``).
         """
-        groups = self.inner.param_groups
-        saved = [g["params"] for g in groups]
-        try:
-            for g in groups:
-                g["params"] = []
-            counters.before_chunk()
-            self._step()
-            counters.after_chunk()
-        finally:
-            for g, params in zip(groups, saved, strict=True):
-                g["params"] = params
+        counters.before_chunk()
+        self._step_groups([[] for _ in self.inner.param_groups])
+        counters.after_chunk()
 
     def _record(self, infos: Sequence[ParamInfo]) -> ChunkTxn:
         state = self.inner.state
         txn = ChunkTxn(state)
+        scalars: list[torch.Tensor] = []
         for info in infos:
             entry = state.get(info.param)
             if entry is None:
                 txn.entries[info.param] = _ABSENT
                 continue
             txn.entries[info.param] = (entry, dict(entry))
-            txn.scalars += [(v, v) for v in entry.values() if isinstance(v, torch.Tensor) and v.dim() == 0]
-        if txn.scalars:
-            saved = [torch.empty_like(t) for t, _ in txn.scalars]
-            torch._foreach_copy_(saved, [t for t, _ in txn.scalars])
-            txn.scalars = [(t, s) for (t, _), s in zip(txn.scalars, saved, strict=True)]
+            scalars += [v for v in entry.values() if isinstance(v, torch.Tensor) and v.dim() == 0]
+        if scalars:
+            saved = [torch.empty_like(t) for t in scalars]
+            torch._foreach_copy_(saved, scalars)
+            txn.scalars = list(zip(scalars, saved, strict=True))
         return txn
 
     def _bind(self, infos: Sequence[ParamInfo], views: Views) -> None:
@@ -262,6 +255,11 @@ class ChunkStepper:
             extras = self.adapter.extra_params(gi, params) if params else []
             txn.extras += extras
             calls.append(params + extras if extras else params)
+        self._step_groups(calls)
+
+    def _step_groups(self, calls: Sequence[list[torch.Tensor]]) -> None:
+        """The inner step with each ``param_groups[i]["params"]`` narrowed to ``calls[i]``, restored afterwards."""
+        groups = self.inner.param_groups
         saved = [g["params"] for g in groups]
         try:
             for g, params in zip(groups, calls, strict=True):
