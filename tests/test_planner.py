@@ -79,6 +79,25 @@ def test_plan_invariants(bs: list[Bundle], chunk_bytes: int, num_slots: int, fra
     assert again == plan and [c.offsets for c in again.all_chunks] == [c.offsets for c in plan.all_chunks]
 
 
+@settings(max_examples=200, deadline=None)
+@given(bundles(), st.integers(1, 40_000), st.integers(0, 80_000))
+def test_a_resident_budget_keeps_the_longest_prefix_that_fits(bs: list[Bundle], chunk_bytes: int, budget: int) -> None:
+    plan = plan_chunks(bs, chunk_bytes=chunk_bytes, resident_budget=budget)
+    resident = [i for c in plan.resident_chunks for i in c.params]
+    assert resident == [b.index for b in bs[: len(resident)]], "the resident bundles are the first ones"
+    assert [i for c in plan.all_chunks for i in c.params] == [b.index for b in bs]
+    assert [c.index for c in plan.all_chunks] == list(range(len(plan.all_chunks)))
+    assert plan.resident_nbytes <= budget
+    if len(resident) < len(bs):  # one bundle more would not fit
+        longer = plan_chunks(bs[: len(resident) + 1], chunk_bytes=chunk_bytes, offload_fraction=0.0)
+        assert longer.resident_nbytes > budget or _skipped_for_padding(bs, resident, budget)
+
+
+def _skipped_for_padding(bs: list[Bundle], resident: list[int], budget: int) -> bool:
+    """The packed prefix of one more bundle fits, but only with different chunk boundaries (auto chunk size)."""
+    return sum(-(-b.host_nbytes // ALIGNMENT) * ALIGNMENT for b in bs[: len(resident) + 1]) > budget
+
+
 def _bundle(index: int, nbytes: int) -> Bundle:
     return Bundle(index, (TensorSpec("exp_avg", Role.STATE, (nbytes // 4,), (1,), torch.float32),))
 

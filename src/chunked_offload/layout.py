@@ -251,10 +251,30 @@ def _check_existing(
             )
 
 
-def plan_layout(infos: list[ParamInfo], *, chunk_bytes: int, num_slots: int, offload_fraction: float) -> ChunkPlan:
-    """The chunk plan of every parameter's bundle."""
+def plan_layout(
+    infos: list[ParamInfo],
+    *,
+    chunk_bytes: int,
+    num_slots: int,
+    offload_fraction: float,
+    gpu_budget: int | None = None,
+) -> ChunkPlan:
+    """The chunk plan of every parameter's bundle.
+
+    With ``gpu_budget`` (bytes), the staging window comes first and what is left of the budget holds resident state.
+    """
     bundles = [Bundle(info.index, info.specs, info.weight) for info in infos]
-    return plan_chunks(bundles, chunk_bytes=chunk_bytes, num_slots=num_slots, offload_fraction=offload_fraction)
+    if gpu_budget is None:
+        return plan_chunks(bundles, chunk_bytes=chunk_bytes, num_slots=num_slots, offload_fraction=offload_fraction)
+    window = plan_chunks(bundles, chunk_bytes=chunk_bytes, num_slots=num_slots).window_bound_nbytes
+    if gpu_budget < window:
+        mib = 2**20
+        raise ValueError(
+            f"gpu_budget_mb={gpu_budget / mib:.2f} is below the staging window this plan needs "
+            f"({num_slots} slots x max(chunk {chunk_bytes / mib:.2f} MiB, largest param bundle) = {window / mib:.2f} "
+            "MiB); raise gpu_budget_mb or lower chunk_size_mb"
+        )
+    return plan_chunks(bundles, chunk_bytes=chunk_bytes, num_slots=num_slots, resident_budget=gpu_budget - window)
 
 
 def place(

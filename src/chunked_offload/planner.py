@@ -144,7 +144,7 @@ class Chunk:
     """A run of whole bundles that is staged, stepped and written back together.
 
     Attributes:
-        index: position in the plan (host chunks first, then device chunks, in parameter order).
+        index: position in the plan, in parameter order.
         params: parameter indices, in ``param_groups`` order.
         home: where the chunk's moving bytes live between steps.
         home_offset: byte offset of the chunk's moving bytes in its home buffer (host arena or device buffer).
@@ -195,7 +195,8 @@ class ChunkPlan:
 
     Attributes:
         chunks: offloaded chunks in parameter order; their moving bytes tile the host arena in this order.
-        resident_chunks: chunks of the bundles kept on the device (``offload_fraction < 1``), in parameter order;
+        resident_chunks: chunks of the bundles kept on the device (``offload_fraction < 1``: the last bundles;
+            ``resident_budget``: the first ones), in parameter order;
             their moving bytes tile one device buffer. They are staged and stepped like offloaded chunks, with
             device-to-device copies, so a failed step can roll them back too.
         bundles: every bundle, by parameter index.
@@ -211,7 +212,9 @@ class ChunkPlan:
 
     @property
     def all_chunks(self) -> tuple[Chunk, ...]:
-        """Every chunk, offloaded then resident: parameter order."""
+        """Every chunk, in parameter order (the order a step runs them)."""
+        if self.resident_chunks and self.chunks and self.resident_chunks[0].params[0] < self.chunks[0].params[0]:
+            return self.resident_chunks + self.chunks
         return self.chunks + self.resident_chunks
 
     @property
@@ -267,20 +270,29 @@ class ChunkPlan:
 
 
 def plan_chunks(
-    bundles: Sequence[Bundle], *, chunk_bytes: int, num_slots: int = 2, offload_fraction: float = 1.0
+    bundles: Sequence[Bundle],
+    *,
+    chunk_bytes: int,
+    num_slots: int = 2,
+    offload_fraction: float = 1.0,
+    resident_budget: int | None = None,
 ) -> ChunkPlan:
     """Pack whole bundles, in parameter order, into chunks of at most ``chunk_bytes`` slot bytes.
 
     Chunks may be smaller than ``chunk_bytes`` to keep the pipeline deep (see [Note: Pipeline depth]). The
     first ``offload_fraction`` of the bytes (whole bundles, in parameter order) is offloaded; the rest is packed
-    the same way into resident chunks, whose home is a device buffer. A bundle larger than ``chunk_bytes`` forms
-    a chunk of its own. The result depends on the arguments alone, so every rank and every run gets the same plan.
+    the same way into resident chunks, whose home is a device buffer. With ``resident_budget`` instead, the longest
+    run of bundles from the *first* parameter whose resident buffer fits the budget stays resident
+    ([Note: What stays resident]). A bundle larger than ``chunk_bytes`` forms a chunk of its own. The result
+    depends on the arguments alone, so every rank and every run gets the same plan.
 
     Args:
         bundles: one bundle per parameter, in ``param_groups`` order.
         chunk_bytes: the chunk budget in bytes (> 0).
         num_slots: staging slots (>= 1); only used for the published bound.
         offload_fraction: share of bundle bytes to offload, in [0, 1].
+        resident_budget: bytes of device memory the resident chunks' moving bytes may take (>= 0); excludes
+            ``offload_fraction < 1``.
 
     Returns:
         The plan.
@@ -291,10 +303,17 @@ def plan_chunks(
         raise ValueError(f"num_slots must be >= 1, got {num_slots}")
     if not 0.0 <= offload_fraction <= 1.0:
         raise ValueError(f"offload_fraction must be in [0, 1], got {offload_fraction}")
+    if resident_budget is not None and (resident_budget < 0 or offload_fraction < 1.0):
+        raise ValueError(
+            f"resident_budget must be >= 0 and excludes offload_fraction < 1, got {resident_budget} and "
+            f"{offload_fraction}"
+        )
     indices = [b.index for b in bundles]
     if indices != sorted(indices) or len(set(indices)) != len(indices):
         raise ValueError(f"bundles must be in strictly increasing parameter order, got indices {indices}")
 
+    if resident_budget is not None:
+        return _plan_resident_prefix(bundles, chunk_bytes, num_slots, resident_budget)
     total = sum(b.packing_nbytes for b in bundles)
     n_offloaded = len(bundles)
     if offload_fraction < 1.0:
@@ -304,12 +323,47 @@ def plan_chunks(
                 break
             running += b.packing_nbytes
             n_offloaded += 1
+    return _plan_split(bundles[:n_offloaded], bundles[n_offloaded:], bundles, chunk_bytes, num_slots)
 
-    offloaded_nbytes = sum(b.packing_nbytes for b in bundles[:n_offloaded])
+
+def _plan_split(
+    offloaded: Sequence[Bundle], resident: Sequence[Bundle], bundles: Sequence[Bundle], chunk_bytes: int, num_slots: int
+) -> ChunkPlan:
+    """Pack the offloaded and the resident bundles (one of them a prefix of ``bundles``); index chunks in order."""
+    offloaded_nbytes = sum(b.packing_nbytes for b in offloaded)
     budget_bytes = min(chunk_bytes, max(MIN_AUTO_CHUNK_BYTES, -(-offloaded_nbytes // PIPELINE_DEPTH)))
-    chunks = _pack(bundles[:n_offloaded], budget_bytes, Home.HOST, first_index=0)
-    resident = _pack(bundles[n_offloaded:], budget_bytes, Home.DEVICE, first_index=len(chunks))
-    return ChunkPlan(tuple(chunks), tuple(resident), tuple(bundles), chunk_bytes, num_slots)
+    resident_first = bool(resident) and (not offloaded or resident[0].index < offloaded[0].index)
+    if resident_first:
+        resident_chunks = _pack(resident, budget_bytes, Home.DEVICE, first_index=0)
+        chunks = _pack(offloaded, budget_bytes, Home.HOST, first_index=len(resident_chunks))
+    else:
+        chunks = _pack(offloaded, budget_bytes, Home.HOST, first_index=0)
+        resident_chunks = _pack(resident, budget_bytes, Home.DEVICE, first_index=len(chunks))
+    return ChunkPlan(tuple(chunks), tuple(resident_chunks), tuple(bundles), chunk_bytes, num_slots)
+
+
+def _plan_resident_prefix(
+    bundles: Sequence[Bundle], chunk_bytes: int, num_slots: int, resident_budget: int
+) -> ChunkPlan:
+    """The plan whose resident chunks are the longest prefix of ``bundles`` that fits ``resident_budget``.
+
+    [Note: What stays resident]
+    Every resident byte spares the link the same time in a synchronous step, so the budget is filled as fully as
+    whole bundles allow. Which bundles matters once the step overlaps the next forward (``overlap=True``): the
+    forward reads the parameters in order, and the first ones are needed at once. Resident bundles step in device
+    time, so keeping the first parameters resident lets the forward start while the offloaded ones stream in.
+    """
+    n_resident, running = 0, 0
+    for b in bundles:
+        running += _align(b.host_nbytes)
+        if running > resident_budget:
+            break
+        n_resident += 1
+    while True:  # the count above ignores the page padding between chunks: shrink while the packed buffer is larger
+        plan = _plan_split(bundles[n_resident:], bundles[:n_resident], bundles, chunk_bytes, num_slots)
+        if plan.resident_nbytes <= resident_budget or n_resident == 0:
+            return plan
+        n_resident -= 1
 
 
 def _pack(bundles: Sequence[Bundle], budget_bytes: int, home: Home, first_index: int) -> list[Chunk]:
