@@ -19,6 +19,7 @@ MAKERS = {
     "sgd-nesterov": lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9, nesterov=True),
 }
 OPS = ["step"] * 8 + ["skip", "zero_grad", "state_dict", "offload", "reload", "write", "lr", "add_group"]
+OPS += ["prefetch", "prefetch", "offload_async", "reload_async"]
 
 
 def _params(rng: random.Random, n: int, seed: int) -> list[torch.nn.Parameter]:
@@ -49,6 +50,7 @@ def test_random_interleavings_match_unwrapped(name: str, seed: int) -> None:
         make([{"params": params[:100]}, {"params": params[100:], "lr": 3e-3}]),
         chunk_size_mb=rng.choice([0.01, 0.05, 0.2]),
         offload_fraction=rng.choice([1.0, 0.7]),
+        overlap=rng.choice([False, True]),
     )
     all_params, all_ref = list(params), list(ref_params)
     for step in range(150):
@@ -73,6 +75,12 @@ def test_random_interleavings_match_unwrapped(name: str, seed: int) -> None:
             opt.offload()
         elif op == "reload":
             opt.reload()
+        elif op == "offload_async":
+            opt.offload(non_blocking=True)
+        elif op == "reload_async":
+            opt.reload(non_blocking=True)
+        elif op == "prefetch":  # taken over by the next step, or dropped if anything in between makes it stale
+            opt.prefetch()
         elif op == "write":  # a hand-written state value, as a user or a framework would assign it
             i = rng.randrange(len(all_params))
             entry, ref_entry = opt.state.get(all_params[i]), ref.state.get(all_ref[i])

@@ -23,6 +23,7 @@ from .layout import (
     chunk_views,
     describe,
     is_dtensor,
+    local,
     place,
     plan_layout,
     rehome_state,
@@ -38,12 +39,14 @@ from .masters import (
     needs_master,
     reconcile_master,
 )
+from .overlap import AttachHandle, StepGate
 from .planner import Chunk, ChunkPlan, Role
 from .schedule import StepSchedule
 from .staging import StagingPool
 from .state_table import StateBinding, StateTable, bind
 from .stepping import ChunkStepper
-from .transfer import TransferEngine
+from .telemetry import StepRecord, StepStats
+from .transfer import MoveHandle, TransferEngine
 
 __all__ = ["ChunkedOffloadOptimizer"]
 
@@ -88,13 +91,19 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         inner: the optimizer instance to wrap (for example ``torch.optim.AdamW(..., fused=True)``).
         chunk_size_mb: staging budget per chunk in MiB; a parameter larger than this forms a chunk of its own.
         offload_fraction: share of the bundle bytes (whole bundles, in parameter order) kept on the host; the rest
-            stays resident on the device and never crosses the link.
+            (the last params) stays resident on the device and never crosses the link. Default 1.0.
+        gpu_budget_mb: instead of ``offload_fraction``: device memory in MiB the wrapper may hold, staging window
+            included. What the window leaves holds the state of the first params resident, whole bundles as far
+            as they fit ([Note: What stays resident]); the rest is offloaded.
         num_slots: device staging slots; 2 overlaps H2D, compute and D2H; 1 runs them one after another.
         pin_memory: page-lock the host arena; None means "when the params are on a CUDA device".
         master_weights: ``"none"`` steps the params directly; ``"fp32"`` keeps an fp32 master for every bf16/fp16
             param in the host arena; ``"remainder"`` keeps only a lossless 16-bit remainder of it (bf16 params).
         adapter: an explicit :class:`~chunked_offload.adapters.Adapter`; by default one is chosen from the
             inner optimizer's class.
+        overlap: run the step on a stream of its own and return before it finishes, so that the next forward
+            overlaps it; call ``opt.attach(model)`` so that each module waits for its own params
+            ([Note: Overlapped step]). Bitwise identical to ``overlap=False``.
     """
 
     def __init__(
@@ -102,21 +111,37 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         inner: torch.optim.Optimizer,
         *,
         chunk_size_mb: float = 256.0,
-        offload_fraction: float = 1.0,
+        offload_fraction: float | None = None,
         num_slots: int = 2,
         pin_memory: bool | None = None,
         master_weights: str = "none",
         adapter: Adapter | None = None,
+        gpu_budget_mb: float | None = None,
+        overlap: bool = False,
     ) -> None:
         _check_inner(inner)
         if isinstance(chunk_size_mb, bool) or not isinstance(chunk_size_mb, (int, float)):
             raise TypeError(f"chunk_size_mb must be a number of MiB, got {type(chunk_size_mb).__name__}")
         if not (math.isfinite(chunk_size_mb) and chunk_size_mb > 0):
             raise ValueError(f"chunk_size_mb must be a finite number > 0, got {chunk_size_mb}")
+        if offload_fraction is not None and gpu_budget_mb is not None:
+            raise ValueError(
+                f"pass offload_fraction ({offload_fraction}) or gpu_budget_mb ({gpu_budget_mb}), not both: the budget "
+                "decides what stays resident on its own"
+            )
+        if offload_fraction is None:
+            offload_fraction = 1.0
         if isinstance(offload_fraction, bool) or not isinstance(offload_fraction, (int, float)):
             raise TypeError(f"offload_fraction must be a number in [0, 1], got {type(offload_fraction).__name__}")
         if not 0.0 <= offload_fraction <= 1.0:
             raise ValueError(f"offload_fraction must be in [0, 1], got {offload_fraction}")
+        if gpu_budget_mb is not None:
+            if isinstance(gpu_budget_mb, bool) or not isinstance(gpu_budget_mb, (int, float)):
+                raise TypeError(f"gpu_budget_mb must be a number of MiB, got {type(gpu_budget_mb).__name__}")
+            if not (math.isfinite(gpu_budget_mb) and gpu_budget_mb >= 0):
+                raise ValueError(f"gpu_budget_mb must be a finite number >= 0, got {gpu_budget_mb}")
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be True or False, got {overlap!r}")
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
             raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
         if pin_memory is not None and not isinstance(pin_memory, bool):
@@ -131,7 +156,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         self._inner = inner
         self._adapter = resolve_adapter(inner, adapter)
         self._adapter.check_config()
-        _check_sharding(inner.param_groups, self._adapter, self._mode)
+        _check_sharding(inner.param_groups, self._adapter, self._mode, overlap)
         self.device = _common_device(inner)
         _check_master_mode(inner, self._adapter, self._mode)
         if pin_memory and self.device.type != "cuda":
@@ -151,13 +176,19 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
 
         self.chunk_size_mb = float(chunk_size_mb)
         self.offload_fraction = float(offload_fraction)
+        self.gpu_budget_mb = None if gpu_budget_mb is None else float(gpu_budget_mb)
         self.num_slots = num_slots
+        self.overlap = overlap
         self._engine = TransferEngine(self.device)
         self._pool = StagingPool(num_slots, self.device)
+        self._gate = StepGate(self.device, overlap)
         # The engine, not the wrapper: a reference back to the wrapper would keep it (and its arena) alive in a cycle.
-        self._binding = StateBinding(self._engine.synchronize, self._adapter.is_offloaded)
+        self._binding = StateBinding(self._engine.before_home_write, self._adapter.is_offloaded)
         self._layout: Layout | None = None
+        self._schedule: StepSchedule | None = None
         self._offloaded = False
+        self._last_move = MoveHandle()
+        self._last_step: StepRecord | None = None
         original_state = inner.state
         try:
             self._adopt_state()
@@ -215,9 +246,14 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         chunks = len(self._layout.plan.chunks) if self._layout is not None else 0
         return (
             f"ChunkedOffloadOptimizer(inner={type(self._inner).__name__}, chunk_size_mb={self.chunk_size_mb}, "
-            f"offload_fraction={self.offload_fraction}, num_slots={self.num_slots}, "
-            f"master_weights={self._mode.value!r}, device={self.device}, chunks={chunks})"
+            f"{self._residency()}, num_slots={self.num_slots}, master_weights={self._mode.value!r}, "
+            f"overlap={self.overlap}, device={self.device}, chunks={chunks})"
         )
+
+    def _residency(self) -> str:
+        if self.gpu_budget_mb is not None:
+            return f"gpu_budget_mb={self.gpu_budget_mb}"
+        return f"offload_fraction={self.offload_fraction}"
 
     def __reduce_ex__(self, protocol: Any) -> NoReturn:
         raise TypeError(
@@ -238,6 +274,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
 
         ``step()`` does this on its own when something changed; call it to pay the cost (and see errors) earlier.
         """
+        self._join()
         self._sync(force=True)
 
     def _adopt_state(self) -> None:
@@ -264,7 +301,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
             logger.debug("re-planning: %s", reason)
             check_groups(self._inner)
             _check_params(groups)
-            _check_sharding(groups, self._adapter, self._mode)
+            _check_sharding(groups, self._adapter, self._mode, self.overlap)
             try:
                 prepared = self._prepare(groups, self._inner.state)
             except IncompatibleStateError:
@@ -281,6 +318,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
             chunk_bytes=max(1, int(self.chunk_size_mb * _MIB)),
             num_slots=self.num_slots,
             offload_fraction=self.offload_fraction,
+            gpu_budget=None if self.gpu_budget_mb is None else int(self.gpu_budget_mb * _MIB),
         )
         signatures = [self._adapter.layout_signature(dict(g)) for g in groups]
         old = self._layout
@@ -298,7 +336,10 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
 
     def _install(self, prepared: _Prepared) -> None:
         """Switch to a prepared layout: move every state tensor into its new home."""
+        if self._schedule is not None:
+            self._schedule.drop_prefetch()
         self._drain()
+        self._gate.clear()
         layout = prepared.layout
         rehome_state(self._inner.state, layout)
         if prepared.new_memory:
@@ -308,7 +349,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         self._binding.index_by_id = {id(info.param): info.index for info in prepared.infos}
         self._binding.dirty = False
         stepper = ChunkStepper(self._inner, self._adapter, self._mode, layout)
-        self._schedule = StepSchedule(layout, stepper, self._engine, self._pool)
+        self._schedule = StepSchedule(layout, stepper, self._engine, self._pool, self._gate)
 
     @property
     def _infos(self) -> list[ParamInfo]:
@@ -327,6 +368,11 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
             raise RuntimeError("the chunk plan has not been built")
         return self._layout
 
+    def _require_schedule(self) -> StepSchedule:
+        if self._schedule is None:
+            raise RuntimeError("the chunk plan has not been built")
+        return self._schedule
+
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -341,24 +387,115 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        chunks = self._chunks_to_step()
+        skip_staged = self._step_skipped_by_grad_scaler()
+        counters = GroupCounters(self._inner.param_groups)
+        self._adapter.begin_step(self._stepped_dtype)
+        self._gate.keep_alive(local(g) for c in chunks for i in c.params if (g := self._grad(i)) is not None)
+        self._binding.stepping = True
+        try:
+            with self._amp_attrs_forwarded(), self._hyperparameters_for_step():
+                record = self._require_schedule().run(chunks, counters, skip_staged=skip_staged)
+        except BaseException:
+            self._gate.join()  # the caller's stream goes on only after whatever the failed step enqueued
+            raise
+        finally:
+            self._binding.stepping = False
+            counters.finish()
+        record.overlapped = self._gate.stream is not None
+        self._last_step = record
+        logger.debug(
+            "step: %d of %d chunks, %.1f MiB H2D, %.1f MiB D2H, %.1f MiB D2D, window %.1f MiB",
+            record.chunks, len(self.plan.all_chunks), record.h2d / _MIB, record.d2h / _MIB, record.d2d / _MIB,
+            record.window / _MIB,
+        )  # fmt: skip
+        self._inner_hooks("_optimizer_step_post_hooks", args, kwargs)
+        return loss
+
+    def _chunks_to_step(self) -> list[Chunk]:
+        """Check that a step can run, bring the layout up to date; the chunks with at least one grad."""
         self._check_can_step()
         self._sync()
         self._check_grads()
         if self._offloaded:
             self.reload()
-        skip_staged = self._step_skipped_by_grad_scaler()
-        counters = GroupCounters(self._inner.param_groups)
-        chunks = [c for c in self.plan.all_chunks if self._any_grad(c)]
-        self._adapter.begin_step(self._stepped_dtype)
-        self._binding.stepping = True
+        return [c for c in self.plan.all_chunks if self._any_grad(c)]
+
+    def _grad(self, index: int) -> torch.Tensor | None:
+        return self._adapter.grad_of(self._infos[index].param)
+
+    def prefetch(self) -> None:
+        """Start bringing in the first chunk(s) of the next step now, for example right after backward.
+
+        The next ``step()`` takes the copies over, so its first chunk does not wait for the link. The staging slots
+        hold their memory from now until that step. If the grads change before it, or the state is written, the
+        step stages again what it needs. A no-op before the first step (its state is created on the device).
+        """
+        chunks = self._chunks_to_step()
+        self._require_schedule().prefetch(chunks)
+
+    @property
+    def stats(self) -> StepStats | None:
+        """Figures of the last ``step()`` (None before the first): bytes moved, seconds, GB/s, window, memory.
+
+        Reading it on a GPU waits for the last step to finish (its times come from CUDA events).
+        """
+        if self._last_step is None:
+            return None
+        layout = self._require_layout()
+        resident = layout.resident_flat
+        resident_bytes = 0 if resident is None or resident.device.type == "cpu" else resident.numel()
+        pinned = layout.arena.nbytes if layout.arena.pinned else 0
+        return self._last_step.stats(resident_bytes, pinned)
+
+    def attach(self, model: torch.nn.Module) -> AttachHandle:
+        """Make each module's forward wait until its own params have been updated by the last step.
+
+        Needed with ``overlap=True`` (a no-op gate otherwise): ``step()`` then returns before its chunks finish, and
+        the next forward overlaps them ([Note: Overlapped step]). Returns a handle whose ``remove()`` takes the
+        hooks off. A param read outside the forward of a module that holds it needs ``opt.wait_step()`` first.
+        """
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"attach() takes a torch.nn.Module, got {type(model).__name__}")
+        return self._gate.attach(model, self._binding.index_of)
+
+    def wait_step(self) -> None:
+        """Order the current CUDA stream after every update of the last step (without blocking the host).
+
+        With ``overlap=True``, call it before reading params outside the forward of an attached module: saving
+        the model, an EMA of the weights, a functional call. A no-op without overlap.
+        """
+        self._gate.join()
+
+    def _join(self) -> None:
+        """Before anything reads or writes what a step may still be using: the caller's stream waits for it."""
+        self._gate.join()
+
+    @contextmanager
+    def _hyperparameters_for_step(self) -> Iterator[None]:
+        """With an overlapped step, hand the inner copies of hyperparameters held as device tensors.
+
+        A scheduler may update ``group["lr"]`` in place on the caller's stream right after ``step()`` returns,
+        while the step stream still reads it.
+        """
+        if self._gate.stream is None:
+            yield
+            return
+        saved: list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]] = []
+        for group in self._inner.param_groups:
+            for key, value in group.items():
+                if key != "params" and isinstance(value, torch.Tensor) and value.device.type == "cuda":
+                    copy = value.clone()
+                    saved.append((group, key, value, copy))
+        for group, key, _, copy in saved:
+            group[key] = copy
+        self._gate.keep_alive(copy for _, _, _, copy in saved)
         try:
-            with self._amp_attrs_forwarded():
-                self._schedule.run(chunks, counters, skip_staged=skip_staged)
+            yield
         finally:
-            self._binding.stepping = False
-            counters.finish()
-        self._inner_hooks("_optimizer_step_post_hooks", args, kwargs)
-        return loss
+            for group, key, value, copy in saved:
+                if group.get(key) is copy:
+                    group[key] = value
 
     def _inner_hooks(
         self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -417,7 +554,11 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         names = [n for n in ("grad_scale", "found_inf") if n in self.__dict__]
         saved = {n: self._inner.__dict__[n] for n in names if n in self._inner.__dict__}
         for n in names:
-            setattr(self._inner, n, self.__dict__[n])
+            value = self.__dict__[n]
+            if self._gate.stream is not None and isinstance(value, torch.Tensor):
+                value = value.clone()  # scaler.update() rewrites its scale in place while the step stream reads it
+                self._gate.keep_alive([value])
+            setattr(self._inner, n, value)
         try:
             yield
         finally:
@@ -429,10 +570,13 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ the rest of the Optimizer API
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if not set_to_none:
+            self._join()  # zeroing in place on the caller's stream must wait until the step has read the grads
         self._inner.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the inner optimizer and extend the chunk plan (the host copies move once)."""
+        self._join()
         self._inner.add_param_group(param_group)
         try:
             self._sync(force=True)  # checks the groups and params before it re-plans
@@ -449,6 +593,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
                 default the tensors are views of the live host copies, valid until the next ``step()``, as with
                 a plain optimizer.
         """
+        self._join()
         self._sync(strict=False)
         return _state_dict.save(self, snapshot=snapshot)
 
@@ -457,35 +602,62 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
 
         Nothing is modified if the checkpoint does not fit, or if its layout cannot be allocated.
         """
+        self._join()
         self._sync()
         _state_dict.load(self, state_dict)
 
     def synchronize(self) -> None:
-        """Wait until every write-back has landed, so the host copies in ``opt.state`` can be read."""
+        """Block until the last step has finished and every write-back has landed (``opt.state`` can be read)."""
+        self._gate.synchronize()
         self._engine.synchronize()
 
     def _drain(self) -> None:
         self._engine.drain(self._pool.slots)
 
-    def offload(self) -> None:
-        """Free the optimizer's device memory (staging slots and resident state) until the next step or reload().
+    def offload(self, non_blocking: bool = False) -> MoveHandle:
+        """Free the optimizer's device memory (resident state, and slots a ``prefetch()`` took) until ``reload()``.
 
-        Host copies stay canonical. Use it around phases that need the whole GPU (RL rollouts, evaluation).
+        Host copies stay canonical. Use it around phases that need the whole GPU (RL rollouts, evaluation). The
+        resident state is copied to page-locked host memory on a copy stream; its device memory goes back to
+        torch's allocator at once, which reuses it as soon as the copy has read it. Returns a handle whose
+        ``wait()`` blocks until the copy has landed; with ``non_blocking=False`` (default) that has happened on
+        return. A second call is a no-op that returns the first call's handle.
         """
+        self._join()
         self._sync()
-        self._drain()
-        self._pool.release(None)
+        if self._offloaded:
+            return self._last_move
+        self._require_schedule().drop_prefetch()
         flat = self._require_layout().resident_flat
+        handle = MoveHandle()
         if flat is not None and flat.device.type != "cpu":
-            self._rehome_resident(flat.to("cpu"))
+            host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=self._pin)
+            handle = self._engine.move(host, flat)
+            self._rehome_resident(host)
+        self._pool.release(None)  # between steps the slots hold nothing; a prefetch was dropped above
         self._offloaded = True
+        self._last_move = handle.wait() if not non_blocking else handle
+        return handle
 
-    def reload(self) -> None:
-        """Bring back what ``offload()`` freed: the resident state (the slots come back with the next step)."""
+    def reload(self, non_blocking: bool = False) -> MoveHandle:
+        """Bring back what ``offload()`` freed: the resident state (the slots come back with the next step).
+
+        The copy runs on a copy stream; the caller's stream and the next step are ordered after it, so only host
+        code that reads the resident state needs ``wait()`` on the returned handle (with ``non_blocking=False``, the
+        default, it has landed on return). A call when nothing is offloaded is a no-op.
+        """
+        self._join()
+        if not self._offloaded:
+            return self._last_move
         flat = self._require_layout().resident_flat
+        handle = MoveHandle()
         if flat is not None and flat.device != self.device:
-            self._rehome_resident(flat.to(self.device))
+            device_flat = torch.empty(flat.numel(), dtype=torch.uint8, device=self.device)
+            handle = self._engine.move(device_flat, flat)
+            self._rehome_resident(device_flat)
         self._offloaded = False
+        self._last_move = handle.wait() if not non_blocking else handle
+        return handle
 
     def _rehome_resident(self, flat: torch.Tensor) -> None:
         layout = self._require_layout()
@@ -509,6 +681,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         Masters of offloaded params are host tensors. A master is read as the next step will use it
         ([Note: Edited params]); nothing is materialised on the GPU. Treat them as read-only.
         """
+        self._join()
         self._sync()
         self.synchronize()
         for info in self._infos:
@@ -588,12 +761,18 @@ def _check_params(groups: Sequence[Mapping[str, Any]]) -> None:
             seen[id(p)] = (gi, pi)
 
 
-def _check_sharding(groups: Sequence[Mapping[str, Any]], adapter: Adapter, mode: MasterMode) -> None:
-    """DTensor params: refuse wrapper masters, and sharded params where the update needs whole ones."""
+def _check_sharding(groups: Sequence[Mapping[str, Any]], adapter: Adapter, mode: MasterMode, overlap: bool) -> None:
+    """DTensor params: refuse wrapper masters, overlap, and sharded params where the update needs whole ones."""
     for gi, group in enumerate(groups):
         for p in group["params"]:
             if not is_dtensor(p):
                 continue
+            if overlap:
+                raise ValueError(
+                    f"overlap=True with DTensor params (param group {gi}): FSDP2 all-gathers a module's params "
+                    "before (and prefetches them ahead of) its forward, outside the hooks that would wait for their "
+                    "update. Use overlap=False with FSDP2"
+                )
             if mode is not MasterMode.NONE:
                 raise ValueError(
                     f"master_weights={mode.value!r} with DTensor params (param group {gi}): keep FSDP2's sharded "

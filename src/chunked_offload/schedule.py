@@ -10,9 +10,11 @@ import torch
 
 from .adapters import GroupCounters
 from .layout import Layout, Views, chunk_views
+from .overlap import StepGate
 from .planner import Chunk, Home, Role
 from .staging import Slot, SlotState, StagingPool
 from .stepping import ChunkStepper, ChunkTxn
+from .telemetry import StepRecord
 from .transfer import TransferEngine
 
 __all__ = ["StepSchedule"]
@@ -22,6 +24,17 @@ logger = logging.getLogger(__name__)
 _NON_STATE = (Role.MASTER, Role.REMAINDER, Role.TIE_BITS, Role.SCRATCH)
 
 Pairs = list[tuple[torch.Tensor, torch.Tensor]]
+_Events = dict[int, torch.cuda.Event | None]  # chunk position -> the event of its H2D
+
+
+@dataclass
+class _Prefetch:
+    """The H2D copies ``prefetch()`` started: which chunks, and the version of the homes they read."""
+
+    chunk_indices: list[int]
+    fresh: list[bool]
+    events: _Events
+    home_version: int
 
 
 @dataclass
@@ -43,10 +56,12 @@ class StepSchedule:
     1. Each chunk with at least one grad runs either *staged* (it has state: its bytes come in from its home) or
        *fresh* (no state yet: the inner optimizer creates it on the device, inside the window).
     2. If any chunk is staged, the slots take their memory ([Note: Slot memory between steps]).
-    3. The H2D of the first ``num_slots - 1`` staged chunks starts.
+    3. The H2D of the first ``num_slots - 1`` staged chunks starts (steps 2-3 may have run early, in
+       ``prefetch()``). The chunk loop below runs on the gate's stream ([Note: Overlapped step]).
     4. For each chunk ``i``: the H2D of chunk ``i + num_slots - 1`` starts; the compute stream waits for chunk
        ``i``'s H2D; the stepper runs the inner step on it as a transaction ([Note: Chunk transactions]); its
-       write-back is enqueued on the D2H stream. From that moment the chunk is committed.
+       write-back is enqueued on the D2H stream. From that moment the chunk is committed, and the gate marks its
+       params updated.
     5. Fresh tensors and the slots' memory go back to the allocator, recorded on the D2H stream.
     The waits between the streams are those of [Note: Two-slot staging] (staging.py), made in transfer.py.
 
@@ -61,51 +76,56 @@ class StepSchedule:
         stepper: runs the inner step on one chunk.
         engine: the copy streams.
         pool: the staging slots.
+        gate: the stream the chunk loop runs on, and the events readers of the params wait for.
     """
 
-    def __init__(self, layout: Layout, stepper: ChunkStepper, engine: TransferEngine, pool: StagingPool) -> None:
+    def __init__(
+        self, layout: Layout, stepper: ChunkStepper, engine: TransferEngine, pool: StagingPool, gate: StepGate
+    ) -> None:
         self.layout = layout
         self.stepper = stepper
         self.engine = engine
         self.pool = pool
+        self.gate = gate
+        self._prefetched: _Prefetch | None = None
 
-    def run(self, chunks: Sequence[Chunk], counters: GroupCounters, *, skip_staged: bool = False) -> None:
+    def run(self, chunks: Sequence[Chunk], counters: GroupCounters, *, skip_staged: bool = False) -> StepRecord:
         """Step ``chunks`` (each has at least one grad); ``skip_staged`` steps only chunks without state yet."""
         fresh = [not self._has_state(c) for c in chunks]
         if skip_staged:
             chunks = [c for c, f in zip(chunks, fresh, strict=True) if f]
             fresh = [True] * len(chunks)
+        record = StepRecord(self.engine, self.pool.device)
+        events = self._take_prefetch(chunks, fresh)
         if not chunks:
             self.stepper.run_empty(counters)
-            return
+            return record
         engine, pool = self.engine, self.pool
-        events: dict[int, torch.cuda.Event | None] = {}
         pending: _Pending | None = None
         position, committed = -1, 0
         try:
-            if not all(fresh):
-                pool.acquire(self.layout.plan.slot_nbytes)
-            engine.begin_step()
+            if events is None:
+                events = self._start(chunks, fresh, len(pool.slots) - 1)
             lookahead = len(pool.slots) - 1
-            for pos in range(min(lookahead, len(chunks))):
-                if not fresh[pos]:
-                    events[pos] = self._stage(chunks[pos], pool.slot_for(pos))
-            for pos, chunk in enumerate(chunks):
-                position = pos
-                ahead = pos + lookahead
-                if ahead < len(chunks) and not fresh[ahead] and ahead not in events:
-                    events[ahead] = self._stage(chunks[ahead], pool.slot_for(ahead))
-                slot = pool.slot_for(pos)
-                if fresh[pos]:
-                    pending = self._step_fresh(chunk, slot, counters)
-                else:
-                    if pos not in events:
-                        events[pos] = self._stage(chunk, slot)
-                    pending = self._step_staged(chunk, slot, events.pop(pos), counters)
-                pending.committing = True
-                engine.write_back(pending.slot, pending.pairs, pending.retain)
-                pending = None
-                committed += 1
+            with self.gate.stepping():
+                for pos, chunk in enumerate(chunks):
+                    position = pos
+                    ahead = pos + lookahead
+                    if ahead < len(chunks) and not fresh[ahead] and ahead not in events:
+                        events[ahead] = self._stage(chunks[ahead], pool.slot_for(ahead))
+                    slot = pool.slot_for(pos)
+                    if fresh[pos]:
+                        pending = self._step_fresh(chunk, slot, counters)
+                    else:
+                        if pos not in events:
+                            events[pos] = self._stage(chunk, slot)
+                        pending = self._step_staged(chunk, slot, events.pop(pos), counters)
+                    pending.committing = True
+                    self.gate.mark_ready(chunk.params, engine.write_back(pending.slot, pending.pairs, pending.retain))
+                    pending = None
+                    committed += 1
+                    record.add_chunk(chunk, fresh[pos], pool)
+                record.compute_done()
         except BaseException as exc:
             if self._abort(pending):
                 committed += 1
@@ -113,6 +133,63 @@ class StepSchedule:
             raise
         engine.end_step(pool.slots)
         pool.release(engine.d2h_stream)
+        record.transfers_done()
+        return record
+
+    def prefetch(self, chunks: Sequence[Chunk]) -> None:
+        """Start the H2D of the first chunks the next ``run(chunks)`` will stage; ``run`` takes it over.
+
+        The slots hold their memory from now until that step. If the step turns out to need other chunks, or the
+        homes are written in between, the staged bytes are dropped and the step stages them again.
+        """
+        self.drop_prefetch()
+        fresh = [not self._has_state(c) for c in chunks]
+        if not chunks or fresh[0]:
+            return  # a first step creates its state on the device: nothing to bring in early
+        depth = max(1, len(self.pool.slots) - 1)
+        events = self._start(chunks, fresh, depth)
+        self._prefetched = _Prefetch([c.index for c in chunks[:depth]], fresh[:depth], events, self.engine.home_version)
+
+    def drop_prefetch(self) -> None:
+        """Give back what ``prefetch`` took: wait for its copies, free the slots."""
+        if self._prefetched is not None:
+            self._prefetched = None
+            self.engine.drain(self.pool.slots)
+            self.pool.release(None)
+
+    def _take_prefetch(
+        self, chunks: Sequence[Chunk], fresh: Sequence[bool]
+    ) -> dict[int, torch.cuda.Event | None] | None:
+        """The H2D events of a prefetch that matches this step's first chunks, or None (after dropping any other)."""
+        taken = self._prefetched
+        if taken is None:
+            return None
+        n = len(taken.chunk_indices)
+        if (
+            taken.home_version == self.engine.home_version
+            and [c.index for c in chunks[:n]] == taken.chunk_indices
+            and list(fresh[:n]) == taken.fresh
+        ):
+            self._prefetched = None
+            return taken.events
+        self.drop_prefetch()
+        return None
+
+    def _start(self, chunks: Sequence[Chunk], fresh: Sequence[bool], depth: int) -> _Events:
+        """Take the slots' memory (if any chunk is staged) and start the H2D of the first ``depth`` chunks.
+
+        Runs on the caller's stream: the slots' blocks come from its pool, so that forward and backward reuse them
+        between steps ([Note: Slot memory between steps]).
+        """
+        pool, engine = self.pool, self.engine
+        if not all(fresh):
+            pool.acquire(self.layout.plan.slot_nbytes)
+        engine.begin_step()
+        events: _Events = {}
+        for pos in range(min(depth, len(chunks))):
+            if not fresh[pos]:
+                events[pos] = self._stage(chunks[pos], pool.slot_for(pos))
+        return events
 
     # ------------------------------------------------------------------ one chunk
     def _home_region(self, chunk: Chunk, nbytes: int, offset: int = 0) -> torch.Tensor:
@@ -187,6 +264,7 @@ class StepSchedule:
 
         Returns whether the failing chunk was rolled forward (committed).
         """
+        self.gate.join()  # the rollback below runs on the caller's stream, after what the step stream enqueued
         forward = pending is not None and pending.committing
         if pending is not None:
             if forward:

@@ -31,7 +31,8 @@ class StateBinding:
     rebinds its state in the staging slots, and the wrapper re-scans it after each chunk.
 
     Args:
-        synchronize: waits until no write-back into the homes is in flight.
+        synchronize: called before the host writes into a home: waits until no write-back into the homes is in
+            flight (and marks bytes staged earlier stale).
         is_offloaded: whether a state value moves (the adapter's rule).
     """
 

@@ -9,7 +9,7 @@ from torch.autograd.profiler import record_function
 
 from .staging import Slot, SlotState
 
-__all__ = ["PIECE_BYTES", "TransferEngine"]
+__all__ = ["PIECE_BYTES", "MoveHandle", "TransferEngine"]
 
 # [Note: Piecewise copies]
 # With two slots, the H2D of chunk i+1 reuses the slot that chunk i-1 is draining from. If it waited for the whole
@@ -34,6 +34,34 @@ def _slot_offset(slot: Slot, t: torch.Tensor) -> int | None:
     return offset if 0 <= offset < slot.buffer.numel() else None
 
 
+class MoveHandle:
+    """What ``offload()`` and ``reload()`` return: ``wait()`` blocks until the copy has landed.
+
+    Args:
+        event: completes when the copy has landed; None when it already has (CPU, or nothing to move).
+        keep: host tensors the copy reads or writes, kept alive until it has landed.
+    """
+
+    def __init__(self, event: torch.cuda.Event | None = None, keep: Sequence[torch.Tensor] = ()) -> None:
+        self._event = event
+        self._keep = list(keep)
+
+    def done(self) -> bool:
+        """Whether the copy has landed (never blocks)."""
+        return self._event is None or self._event.query()
+
+    def wait(self) -> MoveHandle:
+        """Block until the copy has landed; returns the handle."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        self._keep.clear()
+        return self
+
+    def __repr__(self) -> str:
+        return f"MoveHandle(done={self.done()})"
+
+
 class TransferEngine:
     """Moves chunk bytes between the host arena and staging slots, on two side streams.
 
@@ -54,17 +82,58 @@ class TransferEngine:
             self.d2h_stream = torch.cuda.Stream(device)
         # The last D2H enqueued: every host view is current once it completes (the D2H stream is in order).
         self.last_d2h_event: torch.cuda.Event | None = None
+        # Bumped whenever the homes may have been written or the slots reset: bytes staged before it are stale.
+        self.home_version = 0
 
     def _record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
         event = torch.cuda.Event()
         event.record(stream)
         return event
 
+    def before_home_write(self) -> None:
+        """Called before the host writes into a home: in-flight write-backs land, and staged copies go stale."""
+        self.synchronize()
+        self.home_version += 1
+
     def begin_step(self) -> None:
         """Order this step's H2D copies after the previous step's write-back of the same host bytes."""
         if self.h2d_stream is not None and self.last_d2h_event is not None:
             # Without this wait an H2D could read a host region that last step's D2H is still writing.
             self.h2d_stream.wait_event(self.last_d2h_event)
+
+    def move(self, dst: torch.Tensor, src: torch.Tensor) -> MoveHandle:
+        """Copy ``src`` into ``dst`` (one on the host, one on the device) on a copy stream; return its handle.
+
+        The copy runs after what the caller's stream has enqueued (which allocated ``dst`` or wrote ``src``), and
+        after the last write-back into host memory. The caller's stream and later steps are ordered after a copy
+        to the device; host readers wait for a copy to the host through :meth:`synchronize`. Device memory that is
+        dropped afterwards is reused only once the copy has read it (``record_stream``).
+        """
+        if not self.uses_streams or self.d2h_stream is None or self.h2d_stream is None:
+            dst.copy_(src)
+            return MoveHandle()
+        to_host = dst.device.type == "cpu"
+        stream = self.d2h_stream if to_host else self.h2d_stream
+        compute = torch.cuda.current_stream(self.device)
+        # Without this wait the copy could read bytes the caller's stream is still writing (or write a block the
+        # allocator just recycled from its work).
+        stream.wait_stream(compute)
+        if self.last_d2h_event is not None:
+            # Without this wait a copy could read host bytes a write-back is still writing.
+            stream.wait_event(self.last_d2h_event)
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        for t in (dst, src):
+            if t.device.type == "cuda":
+                # Without record_stream the allocator could hand this block out while the copy still uses it.
+                t.record_stream(stream)
+        event = self._record(stream)
+        if to_host:
+            self.last_d2h_event = event  # the D2H stream is in order: readers of the host copies wait on this
+        else:
+            # Without this wait the caller's stream could read the device copy before it has landed.
+            compute.wait_event(event)
+        return MoveHandle(event, [t for t in (dst, src) if t.device.type == "cpu"])  # device memory: record_stream
 
     def reclaim(self, slot: Slot) -> None:
         """Drop the fresh tensors a slot retained, once the compute stream is ordered after their D2H."""
@@ -137,20 +206,23 @@ class TransferEngine:
         slot: Slot,
         pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
         retain: Sequence[torch.Tensor] = (),
-    ) -> None:
+    ) -> torch.cuda.Event | None:
         """After the step, copy each ``(host, device)`` pair device -> host on the D2H stream.
 
         Args:
             slot: the slot the chunk ran in; its ``free_event`` is re-recorded.
             pairs: destination host views and source device tensors.
             retain: device tensors to keep alive until the D2H has read them (fresh state).
+
+        Returns:
+            The event that completes when the chunk's step has run on the compute stream (None on the CPU).
         """
         slot.advance((SlotState.READY,), SlotState.DRAINING)
         with record_function("chunked_offload::d2h"):
             if not self.uses_streams or self.d2h_stream is None:
                 for host, dev in pairs:
                     host.copy_(dev)
-                return
+                return None
             step_done = self._record(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.d2h_stream):
                 # Without this wait the D2H copies the slot before the step's kernels have updated it.
@@ -169,6 +241,7 @@ class TransferEngine:
                 slot.free_event = self._record(self.d2h_stream)
             self.last_d2h_event = slot.free_event
             slot.retained.extend(retain)
+            return step_done
 
     def end_step(self, slots: Sequence[Slot]) -> None:
         """Hand still-retained fresh tensors to the allocator without waiting for their D2H."""
@@ -194,6 +267,7 @@ class TransferEngine:
                 # Without this the slots could be freed while a copy on a side stream still uses them.
                 stream.synchronize()
         self.last_d2h_event = None
+        self.home_version += 1
         for slot in slots:
             slot.retained.clear()
             slot.state = SlotState.FREE

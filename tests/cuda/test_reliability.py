@@ -118,17 +118,22 @@ def test_a_thousand_random_steps_and_calls_match_plain_and_leak_nothing() -> Non
     shapes = [(rng.randint(1, 300), rng.randint(1, 300)) for _ in range(40)]
     ref_params, params = make_params(shapes, torch.float32, "cuda"), make_params(shapes, torch.float32, "cuda")
     ref = torch.optim.AdamW(ref_params, lr=1e-3, fused=True)
-    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(params, lr=1e-3, fused=True), chunk_size_mb=0.2)
+    # Part of the state resident (the first params), so that offload() and reload() move something.
+    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(params, lr=1e-3, fused=True), chunk_size_mb=0.2, gpu_budget_mb=4)
+    assert opt.plan.resident_chunks and opt.plan.chunks
     all_ref, all_params = list(ref_params), list(params)
     samples: list[tuple[int, int, int]] = []
     groups_added = 0
     for step in range(1000):
-        op = rng.choice(["step"] * 6 + ["skip", "zero_grad", "offload", "reload", "state_dict", "add_group"])
-        if op in ("step", "skip"):
+        ops = ["step"] * 6 + ["skip", "zero_grad", "offload", "reload", "state_dict", "add_group"]
+        op = rng.choice(ops + ["prefetch_step", "prefetch_step", "offload_async", "reload_async"])
+        if op in ("step", "skip", "prefetch_step"):
             grads = make_grads(all_params, step, none_every=rng.choice([0, 3, 5]))
             for p, q, g in zip(all_params, all_ref, grads, strict=True):
                 p.grad, q.grad = (None, None) if g is None else (g.clone(), g.clone())
-            if op == "step":
+            if op == "prefetch_step":
+                opt.prefetch()  # right after backward: the first chunk's H2D starts before the step
+            if op != "skip":
                 opt.step()
                 ref.step()
         elif op == "zero_grad":
@@ -138,6 +143,10 @@ def test_a_thousand_random_steps_and_calls_match_plain_and_leak_nothing() -> Non
             opt.offload()
         elif op == "reload":
             opt.reload()
+        elif op == "offload_async":
+            opt.offload(non_blocking=True)
+        elif op == "reload_async":
+            opt.reload(non_blocking=True)
         elif op == "state_dict":
             opt.load_state_dict(opt.state_dict())
         elif op == "add_group" and groups_added < 3 and step < 500:
@@ -151,6 +160,7 @@ def test_a_thousand_random_steps_and_calls_match_plain_and_leak_nothing() -> Non
             all_params += new
             all_ref += new_ref
         if step >= 500 and step % 50 == 0:  # steady state: the leak check, not counting the grads of this moment
+            opt.reload()  # the resident state on the device, whatever the last call was
             opt.synchronize()
             torch.cuda.synchronize()
             grads = sum(p.grad.nbytes for p in all_params + all_ref if p.grad is not None)

@@ -1,0 +1,139 @@
+"""StepGate: the stream an overlapped step runs on, and the events that let the next forward start early."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+__all__ = ["StepGate"]
+
+
+class StepGate:
+    """Orders readers of the params after the chunks that update them.
+
+    [Note: Overlapped step]
+    With ``overlap=True`` the chunk loop of ``step()`` runs on a stream of its own, which first waits for the
+    caller's stream (the grads are ready). ``step()`` returns once every chunk is enqueued; the caller's stream goes
+    on at once. After each chunk's update the gate records an event, and a module attached with
+    ``opt.attach(model)`` makes the stream that runs its forward wait for the events of its own params, just before
+    the forward reads them. The next forward therefore runs while later chunks are still being stepped, and reads
+    each param only after its update: the result is bitwise that of the synchronous loop, because every kernel is
+    the same and runs on the same bytes in the same order.
+
+    What else reads or writes what the step stream uses:
+    - grads and GradScaler's tensors: ``record_stream`` keeps their memory from being reused while the step stream
+      reads them, so ``zero_grad(set_to_none=True)`` and ``scaler.update()`` may follow at once (the scaler's
+      tensors are copied for the step);
+    - hyperparameters held as device tensors (a capturable ``lr``) are copied for the step, so that a scheduler's
+      in-place update after ``step()`` does not race it;
+    - every other method of the wrapper, ``zero_grad(set_to_none=False)`` and ``wait_step()`` order the caller's
+      stream after the whole step (``join``); ``synchronize()`` waits on the host.
+
+    On the CPU, or with ``overlap=False``, there is no stream of its own and every wait is a no-op.
+
+    Args:
+        device: the params' device.
+        enabled: whether steps overlap the caller's stream.
+    """
+
+    def __init__(self, device: torch.device, enabled: bool) -> None:
+        self.enabled = enabled
+        self.stream: torch.cuda.Stream | None = None
+        if enabled and device.type == "cuda":
+            self.stream = torch.cuda.Stream(device)
+        # param index -> the event after its last update; kept across steps: a param without a grad in this step
+        # was last updated by an earlier one.
+        self.ready: dict[int, torch.cuda.Event] = {}
+        self.end: torch.cuda.Event | None = None  # after the last chunk's update, on the step stream
+
+    @contextmanager
+    def stepping(self) -> Iterator[None]:
+        """Run the block on the step stream, after what the caller's stream has enqueued so far."""
+        if self.stream is None:
+            yield
+            return
+        caller = torch.cuda.current_stream(self.stream.device)
+        # Without this wait the step could read grads the caller's backward has not finished writing.
+        self.stream.wait_stream(caller)
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:
+            self.end = torch.cuda.Event()
+            self.end.record(self.stream)
+
+    def clear(self) -> None:
+        """Forget the events (the layout changed; the caller has drained every stream)."""
+        self.ready.clear()
+        self.end = None
+
+    def mark_ready(self, params: Iterable[int], event: torch.cuda.Event | None) -> None:
+        """``event`` completes once the updates of ``params`` (param indices) are enqueued work that has run."""
+        if self.stream is not None and event is not None:
+            for i in params:
+                self.ready[i] = event
+
+    def keep_alive(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Keep the memory of tensors the step stream reads from being reused before it has read them."""
+        if self.stream is not None:
+            for t in tensors:
+                if t.device.type == "cuda":
+                    t.record_stream(self.stream)
+
+    def wait_params(self, indices: Iterable[int]) -> None:
+        """Order the current stream after the updates of the given params."""
+        if not self.ready:
+            return
+        assert self.stream is not None
+        stream = torch.cuda.current_stream(self.stream.device)
+        waited: set[int] = set()
+        for i in indices:
+            event = self.ready.get(i)
+            if event is not None and id(event) not in waited:
+                # Without this wait the forward reads the param before its chunk has been stepped.
+                stream.wait_event(event)
+                waited.add(id(event))
+
+    def join(self) -> None:
+        """Order the current stream after the whole last step."""
+        if self.end is not None and self.stream is not None:
+            # Without this wait the caller could read (or free) what the step stream still uses.
+            torch.cuda.current_stream(self.stream.device).wait_event(self.end)
+
+    def synchronize(self) -> None:
+        """Block the host until the last step's updates have run."""
+        if self.end is not None:
+            self.end.synchronize()
+
+    def attach(self, model: torch.nn.Module, index_of: Callable[[torch.Tensor], int | None]) -> AttachHandle:
+        """Gate the forward of every module of ``model`` that holds params on the updates of those params."""
+        handles = []
+        for module in model.modules():
+            if not any(True for _ in module.parameters(recurse=False)):
+                continue
+
+            def hook(mod: torch.nn.Module, args: Any) -> None:
+                self.wait_params(
+                    i for p in mod._parameters.values() if p is not None and (i := index_of(p)) is not None
+                )
+
+            handles.append(module.register_forward_pre_hook(hook, prepend=True))
+        return AttachHandle(handles)
+
+
+class AttachHandle:
+    """What ``opt.attach(model)`` returns: ``remove()`` takes the forward hooks off again."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self._handles = handles
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

@@ -1,0 +1,121 @@
+"""Step telemetry: what the last ``step()`` moved, how long it took, and what it held."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .planner import Chunk, Home
+from .staging import StagingPool
+from .transfer import TransferEngine
+
+__all__ = ["StepRecord", "StepStats"]
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Figures of one ``step()`` (``opt.stats``).
+
+    Attributes:
+        chunks: chunks stepped.
+        h2d_bytes: bytes copied host -> device (offloaded chunks).
+        d2h_bytes: bytes copied device -> host (offloaded chunks, and the state a first step creates).
+        d2d_bytes: bytes copied within the device each way (resident chunks).
+        seconds: from the start of the step to the last write-back landing (device time on a GPU).
+        link_gbps: ``(h2d_bytes + d2h_bytes) / seconds`` in GB/s (1e9 bytes).
+        exposed_seconds: how long the step held the caller's stream, which the next forward waits for; None when
+            the step overlaps it (``overlap=True``), where it depends on the forward.
+        window_bytes: peak device memory the step took beside the resident state (slots and fresh state).
+        resident_bytes: device memory holding resident state between steps.
+        pinned_host_bytes: page-locked host memory of the arena.
+    """
+
+    chunks: int
+    h2d_bytes: int
+    d2h_bytes: int
+    d2d_bytes: int
+    seconds: float
+    link_gbps: float
+    exposed_seconds: float | None
+    window_bytes: int
+    resident_bytes: int
+    pinned_host_bytes: int
+
+
+class StepRecord:
+    """Counts bytes while a step runs and keeps the events that time it; ``stats()`` resolves them.
+
+    On a GPU the times come from CUDA events, read only when ``stats()`` is called (which waits for them); on
+    the CPU every copy is synchronous and wall-clock time is the step's time.
+    """
+
+    def __init__(self, engine: TransferEngine, device: torch.device) -> None:
+        self.chunks = 0
+        self.h2d = self.d2h = self.d2d = 0
+        self.window = 0
+        self.overlapped = False
+        self._timed = engine.uses_streams
+        self._engine = engine
+        self._device = device
+        self._t0 = time.perf_counter()
+        self._t_compute = self._t_end = self._t0
+        self._start: torch.cuda.Event | None = None
+        self._compute: torch.cuda.Event | None = None
+        self._end: torch.cuda.Event | None = None
+        if self._timed:
+            self._start = self._event(torch.cuda.current_stream(device))
+
+    @staticmethod
+    def _event(stream: torch.cuda.Stream | None) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def add_chunk(self, chunk: Chunk, fresh: bool, pool: StagingPool) -> None:
+        self.chunks += 1
+        n = chunk.transfer_nbytes
+        if chunk.home is Home.DEVICE:
+            self.d2d += n
+        elif fresh:
+            self.d2h += n
+        else:
+            self.h2d += n
+            self.d2h += n
+        held = sum(0 if s.buffer is None else s.buffer.numel() for s in pool.slots)
+        held += sum(t.untyped_storage().nbytes() for s in pool.slots for t in s.retained)
+        self.window = max(self.window, held)
+
+    def compute_done(self) -> None:
+        """Called on the compute stream after the last chunk's step."""
+        if self._timed:
+            self._compute = self._event(torch.cuda.current_stream(self._device))
+        self._t_compute = time.perf_counter()
+
+    def transfers_done(self) -> None:
+        """Called once the last write-back is enqueued."""
+        if self._timed:
+            self._end = self._event(self._engine.d2h_stream)
+        self._t_end = time.perf_counter()
+
+    def stats(self, resident_bytes: int, pinned_host_bytes: int) -> StepStats:
+        seconds, exposed = self._t_end - self._t0, self._t_compute - self._t0
+        if self._start is not None and self._compute is not None and self._end is not None:
+            self._end.synchronize()
+            self._compute.synchronize()
+            seconds = self._start.elapsed_time(self._end) / 1e3
+            exposed = self._start.elapsed_time(self._compute) / 1e3
+        moved = self.h2d + self.d2h
+        return StepStats(
+            chunks=self.chunks,
+            h2d_bytes=self.h2d,
+            d2h_bytes=self.d2h,
+            d2d_bytes=self.d2d,
+            seconds=seconds,
+            link_gbps=moved / seconds / 1e9 if seconds > 0 else 0.0,
+            exposed_seconds=None if self.overlapped else exposed,
+            window_bytes=self.window,
+            resident_bytes=resident_bytes,
+            pinned_host_bytes=pinned_host_bytes,
+        )

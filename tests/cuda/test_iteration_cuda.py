@@ -1,0 +1,176 @@
+"""Inside the iteration on the GPU: the overlapped step is raced against the next forward, async offload/reload,
+prefetch, the budget and the telemetry."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from chunked_offload import ChunkedOffloadOptimizer
+from chunked_offload.stepping import ChunkStepper
+from reference import assert_equal, assert_states_equal, make_params, run_steps
+
+pytestmark = pytest.mark.cuda
+MiB = 2**20
+SLEEP = 20_000_000  # GPU cycles, about 10 ms per chunk: the next forward would overtake the step without its waits
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self, width: int = 1024, depth: int = 8) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.nn.functional.gelu(layer(x))
+        return x
+
+
+def _slow_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every chunk's step starts late on whatever stream runs it (the gate's stream when overlapped)."""
+    original = ChunkStepper._narrowed_step
+
+    def slowed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        torch.cuda._sleep(SLEEP)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(ChunkStepper, "_narrowed_step", slowed)
+
+
+def _train(
+    *, overlap: bool, attach: bool, scaler: bool = False, master: str = "none", steps: int = 5, **kwargs: Any
+) -> tuple[_Mlp, ChunkedOffloadOptimizer, list[float]]:
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if master != "none" else torch.float32
+    model = _Mlp().to("cuda", dtype)
+    inner = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device="cuda"), fused=True)
+    opt = ChunkedOffloadOptimizer(inner, chunk_size_mb=8, overlap=overlap, master_weights=master, **kwargs)
+    if attach:
+        opt.attach(model)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))  # updates the tensor lr in place
+    grad_scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10) if scaler else None
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    host_seconds = []
+    for _ in range(steps):
+        x = torch.randn(64, 1024, device="cuda", generator=gen, dtype=dtype)
+        loss = model(x).float().square().mean()
+        if grad_scaler is not None:
+            grad_scaler.scale(loss).backward()
+            grad_scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            t0 = time.perf_counter()
+            grad_scaler.step(opt)
+            host_seconds.append(time.perf_counter() - t0)
+            grad_scaler.update()
+        else:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.prefetch()
+            t0 = time.perf_counter()
+            opt.step()
+            host_seconds.append(time.perf_counter() - t0)
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+    opt.wait_step()
+    torch.cuda.synchronize()
+    return model, opt, host_seconds
+
+
+def _assert_models_equal(
+    a: tuple[_Mlp, ChunkedOffloadOptimizer, Any], b: tuple[_Mlp, ChunkedOffloadOptimizer, Any]
+) -> None:  # noqa: E501
+    for (name, pa), pb in zip(a[0].named_parameters(), b[0].parameters(), strict=True):
+        assert_equal(pa, pb, name)
+    assert_states_equal(a[1], list(a[0].parameters()), b[1], list(b[0].parameters()))
+
+
+@pytest.mark.parametrize("scaler", [False, True])
+@pytest.mark.parametrize("master", ["none", "fp32"])
+def test_an_overlapped_step_raced_by_the_next_forward_stays_exact(
+    monkeypatch: pytest.MonkeyPatch, scaler: bool, master: str
+) -> None:
+    plain = _train(overlap=False, attach=False, scaler=scaler, master=master)
+    with monkeypatch.context() as patch:
+        _slow_chunks(patch)
+        overlapped = _train(overlap=True, attach=True, scaler=scaler, master=master)
+    _assert_models_equal(plain, overlapped)
+    stats = overlapped[1].stats
+    assert stats is not None and stats.exposed_seconds is None and stats.chunks >= 8
+    # The step returned long before its slowed chunks ran: the host did not wait for them.
+    assert min(overlapped[2]) < stats.chunks * SLEEP / 2e9
+
+
+def test_without_the_forward_gate_the_race_shows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mutation check: with no module waiting for its chunk, the slowed step is overtaken."""
+    plain = _train(overlap=False, attach=False)
+    with monkeypatch.context() as patch:
+        _slow_chunks(patch)
+        ungated = _train(overlap=True, attach=False)
+    with pytest.raises(AssertionError):
+        _assert_models_equal(plain, ungated)
+
+
+def test_state_dict_and_offload_after_an_overlapped_step_wait_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    plain = _train(overlap=False, attach=False, offload_fraction=0.5, steps=4)
+    with monkeypatch.context() as patch:
+        _slow_chunks(patch)
+        model, opt, _ = _train(overlap=True, attach=True, offload_fraction=0.5, steps=4)
+        x = torch.randn(64, 1024, device="cuda", generator=torch.Generator(device="cuda").manual_seed(9))
+        model(x).square().mean().backward()
+        opt.step()  # slowed; nothing below waits on the host before the wrapper does
+        got = opt.state_dict(snapshot=True)
+        opt.offload()
+    plain_model, plain_opt = plain[0], plain[1]
+    plain_model(x).square().mean().backward()
+    plain_opt.step()
+    expected = plain_opt.state_dict(snapshot=True)
+    for pid, entry in expected["state"].items():
+        for key, value in entry.items():
+            assert_equal(value, got["state"][pid][key], f"{pid}/{key}")
+
+
+def test_non_blocking_offload_frees_the_resident_state_at_once_and_reload_is_exact() -> None:
+    ref_params = make_params([(2048, 2048)] * 8, torch.float32, "cuda")
+    params = make_params([(2048, 2048)] * 8, torch.float32, "cuda")
+    ref = torch.optim.AdamW(ref_params, lr=1e-3, fused=True)
+    opt = ChunkedOffloadOptimizer(
+        torch.optim.AdamW(params, lr=1e-3, fused=True), chunk_size_mb=16, gpu_budget_mb=2 * 48 + 4 * 32 + 1
+    )
+    resident = opt.plan.resident_nbytes
+    assert resident >= 4 * 32 * MiB
+    run_steps(ref, ref_params, 4)
+    run_steps(opt, params, 2)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    handle = opt.offload(non_blocking=True)
+    freed = before - torch.cuda.memory_allocated()
+    handle.wait()
+    assert freed >= resident, (freed, resident)
+    assert opt.offload(non_blocking=True) is handle
+    # A rollout may take the memory now: once the copy has read it, the allocator reuses it.
+    rollout = torch.empty(resident, dtype=torch.uint8, device="cuda").fill_(7)
+    del rollout
+    opt.reload(non_blocking=True)  # the next step is ordered after the copy without a host wait
+    run_steps(opt, params, 2, first_step=2)
+    opt.synchronize()
+    for a, b in zip(ref_params, params, strict=True):
+        assert_equal(a, b)
+    assert_states_equal(ref, ref_params, opt, params)
+
+
+def test_stats_report_the_link_and_the_memory() -> None:
+    params = make_params([(4096, 4096)] * 8, torch.float32, "cuda")
+    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(params, lr=1e-3, fused=True), chunk_size_mb=64)
+    run_steps(opt, params, 3)
+    stats = opt.stats
+    assert stats is not None
+    moved = sum(c.transfer_nbytes for c in opt.plan.chunks)
+    assert stats.h2d_bytes == stats.d2h_bytes == moved
+    assert stats.link_gbps > 5, stats
+    assert stats.exposed_seconds is not None and 0 < stats.exposed_seconds <= stats.seconds
+    assert stats.pinned_host_bytes == opt.plan.host_nbytes
+    assert stats.window_bytes <= opt.plan.window_bound_nbytes
+    print(f"\n{stats}")

@@ -1,0 +1,281 @@
+"""Inside the training iteration: the GPU budget, overlap and attach, prefetch, async offload/reload, telemetry.
+
+On the CPU the overlapped step runs synchronously through the same code; these tests prove the logic, the
+bitwise results and the refusals. The stream races are in tests/cuda/test_iteration_cuda.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+
+from chunked_offload import ChunkedOffloadOptimizer, Home
+from reference import ODD_SHAPES, assert_equal, assert_states_equal, make_grads, make_params, run_steps, set_grads
+
+_KIB = 1 / 1024  # MiB
+
+
+def _pair(**kwargs: Any) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter], ChunkedOffloadOptimizer, list]:
+    ref_params, params = make_params(ODD_SHAPES), make_params(ODD_SHAPES)
+    ref = torch.optim.AdamW(ref_params, lr=1e-2)
+    kwargs.setdefault("chunk_size_mb", 4 * _KIB)
+    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(params, lr=1e-2), **kwargs)
+    return ref, ref_params, opt, params
+
+
+def _assert_same(ref: torch.optim.Optimizer, ref_params: list, opt: ChunkedOffloadOptimizer, params: list) -> None:
+    opt.synchronize()
+    for i, (a, b) in enumerate(zip(ref_params, params, strict=True)):
+        assert_equal(a, b, f"param {i}")
+    assert_states_equal(ref, ref_params, opt, params)
+
+
+# ---------------------------------------------------------------------- gpu_budget_mb
+def test_budget_and_fraction_together_are_refused() -> None:
+    params = make_params(ODD_SHAPES)
+    inner = torch.optim.AdamW(params)
+    with pytest.raises(ValueError, match=r"offload_fraction \(0.5\) or gpu_budget_mb \(64\), not both"):
+        ChunkedOffloadOptimizer(inner, offload_fraction=0.5, gpu_budget_mb=64)
+    assert not inner.state  # nothing was modified
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_bad_budgets_are_refused(bad: float) -> None:
+    with pytest.raises(ValueError, match="gpu_budget_mb must be a finite number >= 0"):
+        ChunkedOffloadOptimizer(torch.optim.AdamW(make_params(ODD_SHAPES)), gpu_budget_mb=bad)
+    with pytest.raises(TypeError, match="gpu_budget_mb must be a number"):
+        ChunkedOffloadOptimizer(torch.optim.AdamW(make_params(ODD_SHAPES)), gpu_budget_mb="64")  # type: ignore[arg-type]
+
+
+def test_a_budget_below_the_window_names_both_numbers() -> None:
+    with pytest.raises(
+        ValueError, match=r"gpu_budget_mb=0.00 is below the staging window .*chunk 0.05 MiB.* = 0.19 MiB"
+    ):
+        ChunkedOffloadOptimizer(torch.optim.AdamW(make_params(ODD_SHAPES)), chunk_size_mb=0.05, gpu_budget_mb=0)
+
+
+def test_the_budget_keeps_the_first_params_resident_and_the_window_inside_it() -> None:
+    params = make_params([(64, 64)] * 8)  # AdamW: 2 x 16 KiB of state per param, plus a 16 KiB backup
+    window = 2 * 48 * 1024
+    for extra_kib, n_resident in [(0, 0), (40, 1), (100, 3), (1000, 8)]:
+        budget = (window + extra_kib * 1024) / 2**20
+        opt = ChunkedOffloadOptimizer(torch.optim.AdamW(params), chunk_size_mb=48 * _KIB, gpu_budget_mb=budget)
+        plan = opt.plan
+        assert plan.window_bound_nbytes == window
+        resident = [i for c in plan.resident_chunks for i in c.params]
+        assert resident == list(range(n_resident)), (extra_kib, resident)
+        assert plan.window_bound_nbytes + plan.resident_nbytes <= budget * 2**20
+        assert [c.index for c in plan.all_chunks] == list(range(len(plan.all_chunks)))
+        assert [i for c in plan.all_chunks for i in c.params] == list(range(8))  # steps run in param order
+        assert all(c.home is Home.DEVICE for c in plan.all_chunks[: len(plan.resident_chunks)])
+        del opt
+
+
+@pytest.mark.parametrize("share", [0.0, 0.3, 0.7, 1.0])
+def test_every_budget_is_bitwise_and_moves_fewer_bytes_as_it_grows(share: float) -> None:
+    full = ChunkedOffloadOptimizer(torch.optim.AdamW(make_params(ODD_SHAPES)), chunk_size_mb=4 * _KIB)
+    window, state = full.plan.window_bound_nbytes, full.plan.host_nbytes
+    del full
+    budget = (window + share * (state + 4096 * len(ODD_SHAPES))) / 2**20
+    ref, ref_params, opt, params = _pair(gpu_budget_mb=budget)
+    run_steps(ref, ref_params, 4)
+    run_steps(opt, params, 4)
+    _assert_same(ref, ref_params, opt, params)
+    stats = opt.stats
+    assert stats is not None
+    assert stats.h2d_bytes == sum(c.transfer_nbytes for c in opt.plan.chunks)
+    assert stats.d2d_bytes == sum(c.transfer_nbytes for c in opt.plan.resident_chunks)
+    if share == 0.0:
+        assert stats.d2d_bytes == 0
+    if share == 1.0:
+        assert stats.h2d_bytes == 0
+
+
+def test_the_budget_survives_a_replan() -> None:
+    ref, ref_params, opt, params = _pair(gpu_budget_mb=1.0)
+    run_steps(ref, ref_params, 2)
+    run_steps(opt, params, 2)
+    extra_ref, extra = make_params([(9, 9)], seed=5), make_params([(9, 9)], seed=5)
+    ref.add_param_group({"params": extra_ref, "lr": 3e-3})
+    opt.add_param_group({"params": extra, "lr": 3e-3})
+    assert "gpu_budget_mb=1.0" in repr(opt)
+    run_steps(ref, ref_params + extra_ref, 2, first_step=2)
+    run_steps(opt, params + extra, 2, first_step=2)
+    _assert_same(ref, ref_params + extra_ref, opt, params + extra)
+
+
+# ---------------------------------------------------------------------- overlap and attach
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 16)
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+        self.head = torch.nn.Linear(16, 50, bias=False)
+        self.head.weight = self.embed.weight  # tied: read by two modules
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.embed(x)))
+
+
+def _train(overlap: bool, attach: bool, clip: bool, steps: int = 6) -> tuple[_Net, ChunkedOffloadOptimizer]:
+    torch.manual_seed(0)
+    model = _Net()
+    opt = ChunkedOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), chunk_size_mb=4 * _KIB, overlap=overlap
+    )
+    if attach:
+        opt.attach(model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randint(0, 50, (4, 7), generator=gen)
+        loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.prefetch()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+    opt.wait_step()
+    return model, opt
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_overlap_with_attach_matches_the_plain_loop(clip: bool) -> None:
+    plain_model, plain = _train(overlap=False, attach=False, clip=clip)
+    model, opt = _train(overlap=True, attach=True, clip=clip)
+    for (name, a), b in zip(plain_model.named_parameters(), model.parameters(), strict=True):
+        assert_equal(a, b, name)
+    assert_states_equal(plain, list(plain_model.parameters()), opt, list(model.parameters()))
+    assert opt.stats is not None and opt.stats.exposed_seconds is not None  # on the CPU the step is synchronous
+
+
+def test_attach_hooks_every_module_with_params_once_and_can_be_removed() -> None:
+    model = _Net()
+    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap=True)
+    handle = opt.attach(model)
+    with_params = [m for m in model.modules() if list(m.parameters(recurse=False))]
+    assert len(handle) == len(with_params) == 4  # embed, two Linear, head (tied weight)
+    assert all(len(m._forward_pre_hooks) == 1 for m in with_params)
+    handle.remove()
+    assert all(len(m._forward_pre_hooks) == 0 for m in with_params)
+    with pytest.raises(TypeError, match="attach\\(\\) takes a torch.nn.Module, got list"):
+        opt.attach([model])  # type: ignore[arg-type]
+
+
+def test_overlap_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="overlap must be True or False, got 'yes'"):
+        ChunkedOffloadOptimizer(torch.optim.AdamW(make_params(ODD_SHAPES)), overlap="yes")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- prefetch
+def test_prefetch_before_the_first_step_is_a_no_op() -> None:
+    ref, ref_params, opt, params = _pair()
+    set_grads(params, make_grads(params, 0))
+    opt.prefetch()
+    assert not opt._pool.allocated  # a first step creates its state on the device: nothing to bring in
+    opt.zero_grad()
+    run_steps(ref, ref_params, 3)
+    run_steps(opt, params, 3)
+    _assert_same(ref, ref_params, opt, params)
+
+
+def test_prefetch_is_taken_over_by_the_step() -> None:
+    ref, ref_params, opt, params = _pair()
+    run_steps(ref, ref_params, 5)
+    run_steps(opt, params, 1)
+    for step in range(1, 5):
+        set_grads(params, make_grads(params, step))
+        opt.prefetch()
+        assert opt._pool.allocated and opt._schedule._prefetched is not None
+        opt.step()
+        assert opt._schedule._prefetched is None and not opt._pool.allocated
+        opt.zero_grad()
+    _assert_same(ref, ref_params, opt, params)
+
+
+@pytest.mark.parametrize("between", ["grads_change", "state_write", "load_state_dict", "offload", "replan"])
+def test_a_stale_prefetch_is_dropped_and_the_step_stays_exact(between: str) -> None:
+    ref, ref_params, opt, params = _pair(offload_fraction=0.6)
+    run_steps(ref, ref_params, 2)
+    run_steps(opt, params, 2)
+    saved = opt.state_dict(snapshot=True)
+    grads = make_grads(params, 2)
+    set_grads(params, grads)
+    opt.prefetch()
+    if between == "grads_change":
+        grads[0] = None
+        params[0].grad = None
+    elif between == "state_write":
+        for p, rp in ((params[0], ref_params[0]), (params[-1], ref_params[-1])):
+            opt.state[p]["exp_avg"] = torch.full_like(p, 0.25)
+            ref.state[rp]["exp_avg"] = torch.full_like(rp, 0.25)
+    elif between == "load_state_dict":
+        opt.load_state_dict(saved)
+    elif between == "offload":
+        opt.offload()
+    elif between == "replan":
+        opt.replan()
+    set_grads(ref_params, grads)
+    ref.step()
+    opt.step()
+    ref.zero_grad()
+    opt.zero_grad()
+    _assert_same(ref, ref_params, opt, params)
+    assert not opt._pool.allocated
+
+
+# ---------------------------------------------------------------------- offload / reload handles
+@pytest.mark.parametrize("non_blocking", [False, True])
+def test_offload_and_reload_return_handles_and_repeat_as_no_ops(non_blocking: bool) -> None:
+    ref, ref_params, opt, params = _pair(offload_fraction=0.5)
+    run_steps(ref, ref_params, 4)
+    run_steps(opt, params, 2)
+    handle = opt.offload(non_blocking=non_blocking)
+    assert opt.offload(non_blocking=non_blocking) is handle  # a second call changes nothing
+    assert handle.wait().done()
+    assert opt._layout is not None and opt._layout.resident_flat is not None
+    assert opt._layout.resident_flat.device.type == "cpu"
+    _ = opt.state_dict()  # readable while offloaded
+    again = opt.reload(non_blocking=non_blocking)
+    assert opt.reload() is again
+    again.wait()
+    run_steps(opt, params, 2, first_step=2)
+    _assert_same(ref, ref_params, opt, params)
+
+
+# ---------------------------------------------------------------------- telemetry
+def test_stats_count_the_bytes_of_each_step() -> None:
+    ref, ref_params, opt, params = _pair(master_weights="none")
+    assert opt.stats is None
+    run_steps(opt, params, 1)
+    first = opt.stats
+    assert first is not None
+    state = sum(c.transfer_nbytes for c in opt.plan.chunks)
+    assert (first.chunks, first.h2d_bytes, first.d2h_bytes) == (len(opt.plan.chunks), 0, state)
+    run_steps(opt, params, 1, first_step=1)
+    later = opt.stats
+    assert later is not None
+    assert (later.h2d_bytes, later.d2h_bytes, later.d2d_bytes) == (state, state, 0)
+    assert 0 < later.window_bytes <= opt.plan.window_bound_nbytes
+    assert later.seconds > 0 and later.link_gbps > 0
+    assert later.resident_bytes == 0 and later.pinned_host_bytes == 0  # the CPU arena is not page-locked
+    set_grads(params, [None] * len(params))
+    opt.step()
+    assert opt.stats is not None and opt.stats.chunks == 0
+
+
+def test_construction_logs_the_plan_and_each_step_logs_a_debug_line(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG, logger="chunked_offload"):
+        _, _, opt, params = _pair()
+        run_steps(opt, params, 2)
+    infos = [r for r in caplog.records if r.levelno == logging.INFO]
+    assert any("ChunkPlan:" in r.getMessage() for r in infos)
+    steps = [
+        r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and r.getMessage().startswith("step:")
+    ]
+    assert len(steps) == 2 and "MiB H2D" in steps[1]
