@@ -1,11 +1,13 @@
 """Plot benchmark CSVs into PNGs under docs/.
 
 Command:  python3 benchmarks/plot.py benchmarks/results/bench_step_h200.csv [docs/]
+          python3 benchmarks/plot.py benchmarks/results/bench_train_h200.csv [docs/]
 Needs matplotlib (the `bench` extra). Reads both the current CSV layout (median, p20, p80) and the first one
 (value). Draws:
     bench_step_chunks.png  step time against chunk size, AdamW, with the duplex floor and full reload;
     bench_step_peers.png   the time each offloader adds to a resident AdamW iteration, side by side;
-    bench_step_floor.png   every variant as a multiple of the duplex floor.
+    bench_step_floor.png   every variant as a multiple of the duplex floor;
+    bench_train.png        exposed optimizer time per iteration against tokens per iteration, with the floor.
 """
 
 from __future__ import annotations
@@ -97,6 +99,28 @@ def main() -> None:
             ax.set_title(workload)
             ax.set_ylabel("step time / duplex floor")
         save(fig, "bench_step_floor.png")
+
+    exposed: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    floor_s = None
+    for (_, v, m), x in values.items():
+        if m.startswith("exposed_x_floor@"):
+            exposed[v].append((int(m.split("@")[1]), x))
+        elif m == "step_floor_s":
+            floor_s = x
+    if exposed and floor_s:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for variant, points in sorted(exposed.items()):
+            xs, ys = zip(*sorted(points), strict=True)
+            ax.plot(xs, [y * floor_s for y in ys], "o-", label=f"{variant} (ours)")
+            tokens = xs
+        ax.axhline(floor_s, color="k", linestyle="--", label="step transfer floor")
+        ax.axhline(0.5 * floor_s, color="r", linewidth=0.8, linestyle=":", label="0.5 x floor (target, overlap)")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(tokens, [str(t) for t in tokens])
+        ax.set_xlabel("tokens per iteration")
+        ax.set_ylabel("exposed optimizer seconds per iteration")
+        ax.legend()
+        save(fig, "bench_train.png")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,280 @@
+"""How much of a training iteration the offloaded step costs: resident AdamW against ours, synchronous and overlapped.
+
+Question: with the optimizer state and fp32 masters in host memory, how much longer is an iteration of a real model
+than with everything resident, and how much of the step's transfer time does the overlapped mode hide?
+
+Workload: HF ``transformers`` LlamaForCausalLM built from a config (random init), bf16 params, fp32 masters, fused
+AdamW, gradient clipping at 1.0, sequence 2048 on the GPU; a sweep over the batch size (tokens per iteration).
+Variants, each timed on the same iterations in one run:
+    resident   the fp32 masters and AdamW state on the GPU (the loop the wrapper reproduces bitwise);
+    sync       ChunkedOffloadOptimizer(master_weights="fp32"), the step blocks the next forward;
+    overlap    the same with overlap=True and opt.attach(model): the next forward overlaps the step.
+Exposed optimizer time = our iteration - the resident iteration, reported as a multiple of the step's transfer
+floor (the bytes each way over the measured duplex bandwidth).
+
+Exactness: two unwrapped runs of the model differ unless the kernels are deterministic (attention's and the
+embedding's backward use atomics), so the bitwise check runs separately, in deterministic mode with math attention
+at the smallest batch, for every variant against the resident run. The timed sweep uses the fast kernels.
+
+Commands:
+    python3 benchmarks/bench_train.py                       # ~1 B params on a GPU, a tiny model on the CPU
+    python3 benchmarks/bench_train.py --batches 8,16 --csv benchmarks/results/bench_train_h200.csv
+Exits nonzero if any variant is not bitwise equal to the resident run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from chunked_offload import ChunkedOffloadOptimizer  # noqa: E402
+from common import Recorder, Stats, device_name, git_sha, measure_link, progress, synchronize  # noqa: E402
+
+VARIANTS = ("resident", "sync", "overlap")
+
+
+class ResidentMasters:
+    """The resident fp32-master loop: AdamW steps fp32 copies of the bf16 params, which take the rounded result."""
+
+    def __init__(self, model: torch.nn.Module, lr: float) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.masters = [torch.nn.Parameter(p.detach().float().clone()) for p in self.params]
+        fused = self.params[0].device.type == "cuda"
+        self.inner = torch.optim.AdamW(self.masters, lr=lr, weight_decay=0.01, fused=fused)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, m in zip(self.params, self.masters, strict=True):
+            m.grad = None if p.grad is None else p.grad.float()
+        self.inner.step()
+        torch._foreach_copy_([p.detach() for p in self.params], self.masters)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+        for m in self.masters:
+            m.grad = None
+
+    def wait_step(self) -> None:
+        pass
+
+
+def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.heads,
+        max_position_embeddings=args.seq,
+        tie_word_embeddings=False,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.config.use_cache = False
+    return model
+
+
+def make_optimizer(variant: str, model: torch.nn.Module, args: argparse.Namespace) -> Any:
+    if variant == "resident":
+        return ResidentMasters(model, args.lr)
+    fused = next(model.parameters()).device.type == "cuda"
+    inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, fused=fused)
+    opt = ChunkedOffloadOptimizer(
+        inner, chunk_size_mb=args.chunk_mb, master_weights="fp32", overlap=variant == "overlap"
+    )
+    if variant == "overlap":
+        opt.attach(model)
+    return opt
+
+
+def batches_of(seed: int, count: int, batch: int, args: argparse.Namespace, device: torch.device) -> list:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [torch.randint(0, args.vocab, (batch, args.seq), generator=gen, device=device) for _ in range(count)]
+
+
+def iterate(model: torch.nn.Module, opt: Any, ids: torch.Tensor) -> None:
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def run_variant(
+    variant: str, model: torch.nn.Module, initial: dict[str, torch.Tensor], batch: int, args: argparse.Namespace
+) -> tuple[list[float], int, Any]:
+    """Per-iteration seconds (steady state), the peak memory, and the optimizer (to read its plan)."""
+    device = next(model.parameters()).device
+    model.load_state_dict(initial)
+    opt = make_optimizer(variant, model, args)
+    data = batches_of(batch, args.warmup + args.iters, batch, args, device)
+    for ids in data[: args.warmup]:
+        iterate(model, opt, ids)
+    opt.wait_step()
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    marks: list[Any] = []
+    for ids in progress(data[args.warmup :], f"{variant} b={batch}"):
+        marks.append(_mark(device))
+        iterate(model, opt, ids)
+    opt.wait_step()  # the last step's updates are part of its iteration
+    marks.append(_mark(device))
+    synchronize(device)
+    seconds = [_elapsed(a, b) for a, b in zip(marks, marks[1:], strict=False)]
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    return seconds, peak, opt
+
+
+def _mark(device: torch.device) -> Any:
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    import time
+
+    return time.perf_counter()
+
+
+def _elapsed(a: Any, b: Any) -> float:
+    return a.elapsed_time(b) / 1e3 if isinstance(a, torch.cuda.Event) else b - a
+
+
+def exact_check(model: torch.nn.Module, initial: dict[str, torch.Tensor], args: argparse.Namespace) -> dict[str, bool]:
+    """Every variant against the resident run, bitwise, over ``args.exact_steps`` steps in deterministic mode."""
+    device = next(model.parameters()).device
+    torch.use_deterministic_algorithms(True)
+    if device.type == "cuda":
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    finals: dict[str, list[torch.Tensor]] = {}
+    try:
+        for variant in VARIANTS:
+            model.load_state_dict(initial)
+            opt = make_optimizer(variant, model, args)
+            for ids in batches_of(7, args.exact_steps, args.exact_batch, args, device):
+                iterate(model, opt, ids)
+            opt.wait_step()
+            finals[variant] = [p.detach().cpu() for p in model.parameters()]
+            del opt
+            gc.collect()
+    finally:
+        torch.use_deterministic_algorithms(False)
+        if device.type == "cuda":
+            torch.backends.cuda.enable_flash_sdp(True)
+            torch.backends.cuda.enable_mem_efficient_sdp(True)
+            torch.backends.cuda.enable_cudnn_sdp(True)
+    ref = finals["resident"]
+    return {v: all(torch.equal(a, b) for a, b in zip(ref, finals[v], strict=True)) for v in VARIANTS}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int)
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--intermediate", type=int)
+    parser.add_argument("--heads", type=int)
+    parser.add_argument("--vocab", type=int)
+    parser.add_argument("--seq", type=int)
+    parser.add_argument("--batches", type=str, help="comma-separated batch sizes (sequences per iteration)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=6)
+    parser.add_argument("--exact-steps", type=int, default=3)
+    parser.add_argument("--exact-batch", type=int, default=1)
+    parser.add_argument("--chunk-mb", type=float, default=256.0)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--csv", type=Path)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gpu = device.type == "cuda"
+    # The issue's calibration model on a GPU (0.95 B params); a tiny one on the CPU.
+    defaults = dict(hidden=2048, layers=16, intermediate=5632, heads=16, vocab=32000, seq=2048, batches="2,4,8,16")
+    if not gpu:
+        defaults = dict(hidden=64, layers=2, intermediate=128, heads=4, vocab=256, seq=32, batches="1,2")
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if gpu:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS for the exact check
+
+    model = build_model(args, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    link = measure_link(device, 512 * 2**20 if gpu else 16 * 2**20)
+    print(
+        f"{device_name(device)}, torch {torch.__version__}, commit {git_sha()}: Llama {n_params / 1e9:.3f} B params "
+        f"(hidden {args.hidden}, {args.layers} layers), seq {args.seq}, bf16 + fp32 masters, fused AdamW, clip 1.0"
+    )
+    print(f"link: H2D {link.h2d / 1e9:.1f} GB/s, D2H {link.d2h / 1e9:.1f} GB/s, duplex {link.duplex / 1e9:.1f} GB/s")
+
+    exact = exact_check(model, initial, args)
+    print(
+        "bitwise equal to the resident run (deterministic kernels, batch "
+        f"{args.exact_batch}, {args.exact_steps} steps): "
+        + ", ".join(f"{v} {'yes' if ok else 'NO'}" for v, ok in exact.items())
+    )
+
+    rec = Recorder(device)
+    workload = f"llama-{n_params / 1e9:.2f}B-seq{args.seq}"
+    floor = None
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        times: dict[str, Stats] = {}
+        peaks: dict[str, int] = {}
+        for variant in VARIANTS:
+            try:
+                seconds, peak, opt = run_variant(variant, model, initial, batch, args)
+            except torch.OutOfMemoryError:
+                print(f"batch {batch}: {variant} does not fit")
+                break
+            if floor is None and isinstance(opt, ChunkedOffloadOptimizer):
+                floor = opt.plan.host_nbytes / link.duplex
+            times[variant], peaks[variant] = Stats.of(seconds), peak
+            del opt
+            gc.collect()
+            if gpu:
+                torch.cuda.empty_cache()
+        if len(times) < len(VARIANTS) or floor is None:
+            continue
+        tokens = batch * args.seq
+        base = times["resident"].median
+        for variant in VARIANTS:
+            exposed = times[variant].median - base
+            rec.add(workload, variant, f"iter_s@{tokens}", times[variant])
+            rec.add(workload, variant, f"peak_gib@{tokens}", peaks[variant] / 2**30)
+            if variant != "resident":
+                rec.add(workload, variant, f"exposed_x_floor@{tokens}", exposed / floor)
+            rows.append((tokens, variant, times[variant].median, exposed, exposed / floor, peaks[variant] / 2**30))
+    if floor is not None:
+        rec.add(workload, "floor", "step_floor_s", floor)
+    for variant, ok in exact.items():
+        rec.add(workload, variant, "exact", float(ok))
+
+    print(f"\nstep transfer floor: {floor or 0:.4f} s (the host arena's bytes each way over the duplex link)")
+    print(f"{'tokens':>7} {'variant':>9} {'iter s':>8} {'exposed s':>10} {'x floor':>8} {'peak GiB':>9}")
+    for tokens, variant, it, exposed, ratio, peak in rows:
+        shown = "-" if variant == "resident" else f"{exposed:.4f}"
+        ratio_s = "-" if variant == "resident" else f"{ratio:.3f}"
+        print(f"{tokens:>7} {variant:>9} {it:>8.4f} {shown:>10} {ratio_s:>8} {peak:>9.2f}")
+    if args.csv:
+        rec.write(args.csv)
+        print(f"wrote {args.csv}")
+    return 0 if all(exact.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
