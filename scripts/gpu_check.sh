@@ -56,7 +56,9 @@ fi
 
 if [ $quick -eq 0 ]; then
   python3 examples/train_loop.py --steps 20 2>&1 | tee "$out/example.log" | tail -n 4
-  summary+=("example rc=${PIPESTATUS[0]}")
+  summary+=("example train_loop rc=${PIPESTATUS[0]}")
+  python3 examples/rl_offload_loop.py 2>&1 | tee -a "$out/example.log" | tail -n 2
+  summary+=("example rl_offload_loop rc=${PIPESTATUS[0]}: $(tail -n 2 "$out/example.log" | head -n 1)")
   for b in "${benches[@]}"; do
     python3 "benchmarks/$b.py" --csv "$out/$b.csv" 2>&1 | tee "$out/$b.log"
     summary+=("$b rc=${PIPESTATUS[0]}")
