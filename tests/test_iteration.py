@@ -172,6 +172,39 @@ def test_overlap_must_be_a_bool() -> None:
         ChunkedOffloadOptimizer(torch.optim.AdamW(make_params(ODD_SHAPES)), overlap="yes")  # type: ignore[arg-type]
 
 
+class _SeesLr(torch.optim.AdamW):
+    """AdamW that records which ``lr`` object each call of its step reads."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen: list[torch.Tensor] = []
+
+    def step(self, closure: Any = None) -> Any:
+        self.seen.append(self.param_groups[0]["lr"])
+        return super().step(closure)
+
+
+def test_an_overlapped_step_reads_copies_of_tensor_hyperparameters() -> None:
+    """A scheduler updates a tensor lr in place right after step(), while an overlapped step may still read it."""
+    params, ref_params = make_params(ODD_SHAPES), make_params(ODD_SHAPES)
+    lr = torch.tensor(1e-2)
+    inner = _SeesLr(params, lr=lr)
+    opt = ChunkedOffloadOptimizer(inner, chunk_size_mb=4 * _KIB, overlap=True)
+    ref = torch.optim.AdamW(ref_params, lr=torch.tensor(1e-2))
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (1 + s)) for o in (opt, ref)]
+    for step in range(3):
+        for o, ps in ((opt, params), (ref, ref_params)):
+            set_grads(ps, make_grads(ps, step))
+            o.step()
+            o.zero_grad()
+        for sched in scheds:
+            sched.step()
+    assert len(inner.seen) >= 3 * len(opt.plan.chunks)
+    assert all(seen is not lr for seen in inner.seen)  # every chunk read a copy, never the scheduler's tensor
+    assert opt.param_groups[0]["lr"] is lr  # and the group holds the user's tensor again
+    _assert_same(ref, ref_params, opt, params)
+
+
 # ---------------------------------------------------------------------- prefetch
 def test_prefetch_before_the_first_step_is_a_no_op() -> None:
     ref, ref_params, opt, params = _pair()

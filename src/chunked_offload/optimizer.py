@@ -389,19 +389,22 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
                 loss = closure()
         chunks = self._chunks_to_step()
         skip_staged = self._step_skipped_by_grad_scaler()
-        counters = GroupCounters(self._inner.param_groups)
         self._adapter.begin_step(self._stepped_dtype)
         self._gate.keep_alive(local(g) for c in chunks for i in c.params if (g := self._grad(i)) is not None)
         self._binding.stepping = True
         try:
             with self._amp_attrs_forwarded(), self._hyperparameters_for_step():
-                record = self._require_schedule().run(chunks, counters, skip_staged=skip_staged)
+                # Inside the block: the counters restore the groups to what the inner is to see, the copies.
+                counters = GroupCounters(self._inner.param_groups)
+                try:
+                    record = self._require_schedule().run(chunks, counters, skip_staged=skip_staged)
+                finally:
+                    counters.finish()
         except BaseException:
             self._gate.join()  # the caller's stream goes on only after whatever the failed step enqueued
             raise
         finally:
             self._binding.stepping = False
-            counters.finish()
         record.overlapped = self._gate.stream is not None
         self._last_step = record
         logger.debug(
@@ -478,13 +481,13 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         A scheduler may update ``group["lr"]`` in place on the caller's stream right after ``step()`` returns,
         while the step stream still reads it.
         """
-        if self._gate.stream is None:
+        if not self.overlap:
             yield
             return
         saved: list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]] = []
         for group in self._inner.param_groups:
             for key, value in group.items():
-                if key != "params" and isinstance(value, torch.Tensor) and value.device.type == "cuda":
+                if key != "params" and isinstance(value, torch.Tensor):
                     copy = value.clone()
                     saved.append((group, key, value, copy))
         for group, key, _, copy in saved:
@@ -555,7 +558,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         saved = {n: self._inner.__dict__[n] for n in names if n in self._inner.__dict__}
         for n in names:
             value = self.__dict__[n]
-            if self._gate.stream is not None and isinstance(value, torch.Tensor):
+            if self.overlap and isinstance(value, torch.Tensor):
                 value = value.clone()  # scaler.update() rewrites its scale in place while the step stream reads it
                 self._gate.keep_alive([value])
             setattr(self._inner, n, value)
