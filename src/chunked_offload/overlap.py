@@ -43,7 +43,8 @@ class StepGate:
         self.enabled = enabled
         self.stream: torch.cuda.Stream | None = None
         if enabled and device.type == "cuda":
-            self.stream = torch.cuda.Stream(device)
+            # High priority: the next forward waits for this stream's kernels, so they go first when both have work.
+            self.stream = torch.cuda.Stream(device, priority=-1)
         # param index -> the event after its last update; kept across steps: a param without a grad in this step
         # was last updated by an earlier one.
         self.ready: dict[int, torch.cuda.Event] = {}
