@@ -2,12 +2,14 @@
 
 Command:  python3 benchmarks/plot.py benchmarks/results/bench_step_h200.csv [docs/]
           python3 benchmarks/plot.py benchmarks/results/bench_train_h200.csv [docs/]
+          python3 benchmarks/plot.py benchmarks/results/bench_capacity_h200.csv [docs/]
 Needs matplotlib (the `bench` extra). Reads both the current CSV layout (median, p20, p80) and the first one
 (value). Draws:
     bench_step_chunks.png  step time against chunk size, AdamW, with the duplex floor and full reload;
     bench_step_peers.png   the time each offloader adds to a resident AdamW iteration, side by side;
     bench_step_floor.png   every variant as a multiple of the duplex floor;
-    bench_train.png        exposed optimizer time per iteration against tokens per iteration, with the floor.
+    bench_train.png        exposed optimizer time per iteration against tokens per iteration, with the floor;
+    bench_capacity.png     the largest model each variant trains, and the GPU and host memory it takes.
 """
 
 from __future__ import annotations
@@ -121,6 +123,20 @@ def main() -> None:
         ax.set_ylabel("exposed optimizer seconds per iteration")
         ax.legend()
         save(fig, "bench_train.png")
+
+    capacity = {v: {m: x for (_, vv, m), x in values.items() if vv == v} for (_, v, m) in values if m == "peak_gpu_gib"}
+    if capacity:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, row in capacity.items():
+            params = row["params"] / 1e9
+            ax.bar([params - 0.15], [row["peak_gpu_gib"]], width=0.3, color="#2a7", label=f"{name}: GPU peak")
+            ax.bar([params + 0.15], [row["host_rss_gib"]], width=0.3, color="#999", label=f"{name}: host RSS")
+            ax.annotate(name, (params, max(row["peak_gpu_gib"], row["host_rss_gib"]) + 3), ha="center")
+        ax.set_xlabel("largest model that trains (B params)")
+        ax.set_ylabel("GiB")
+        handles, labels = ax.get_legend_handles_labels()
+        ax.legend(handles[:2], ["GPU peak", "host RSS"])
+        save(fig, "bench_capacity.png")
 
 
 if __name__ == "__main__":
