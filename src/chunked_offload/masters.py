@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -21,7 +21,9 @@ __all__ = [
     "encode_remainder",
     "master_specs",
     "needs_master",
+    "read_master",
     "reconcile_master",
+    "write_master",
 ]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -191,3 +193,34 @@ def _offsets(pieces: Iterator[tuple[torch.Tensor, ...]]) -> Iterator[tuple[int, 
     for piece in pieces:
         yield lo, piece
         lo += piece[0].numel()
+
+
+def read_master(home: Mapping[str, torch.Tensor], param: torch.Tensor, mode: MasterMode) -> torch.Tensor:
+    """A param's master as the next step will use it ([Note: Edited params]), from its home; nothing on the GPU."""
+    device = home[MASTER if mode is MasterMode.FP32 else REMAINDER].device
+    param = param.detach().to(device)
+    rounded = torch.empty_like(param)
+    if mode is MasterMode.FP32:
+        master = home[MASTER]
+        rounded.copy_(master)
+        if torch.equal(rounded.view(torch.int16), param.view(torch.int16)):
+            return master  # not edited since its last step: the stored master itself
+        master = master.clone()
+    else:
+        like = home[REMAINDER]
+        master = torch.empty_strided(tuple(like.shape), like.stride(), dtype=torch.float32, device=device)
+        decode_remainder(param, home[REMAINDER], home[TIE_BITS], master)
+    reconcile_master(param, master, work=torch.empty_like(master), rounded=rounded)
+    return master
+
+
+def write_master(home: Mapping[str, torch.Tensor], param: torch.Tensor, master: torch.Tensor, mode: MasterMode) -> None:
+    """Set a param's master in its home, and the param itself to the master rounded to nearest even."""
+    device = home[MASTER if mode is MasterMode.FP32 else REMAINDER].device
+    master = master.to(device=device, dtype=torch.float32)
+    rounded = master.to(param.dtype)
+    param.detach().copy_(rounded)
+    if mode is MasterMode.FP32:
+        home[MASTER].copy_(master)
+    else:
+        encode_remainder(master, rounded, home[REMAINDER], home[TIE_BITS], work=torch.empty_like(master))

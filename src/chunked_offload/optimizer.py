@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -14,6 +13,15 @@ import torch
 
 from . import state_dict as _state_dict
 from .adapters import Adapter, GroupCounters, check_groups, resolve_adapter
+from .checks import (
+    check_inner,
+    check_master_mode,
+    check_not_wrapped,
+    check_options,
+    check_params,
+    check_sharding,
+    common_device,
+)
 from .host_arena import HostArena
 from .layout import (
     IncompatibleStateError,
@@ -22,7 +30,6 @@ from .layout import (
     Views,
     chunk_views,
     describe,
-    is_dtensor,
     local,
     place,
     plan_layout,
@@ -30,14 +37,10 @@ from .layout import (
     stale_reason,
 )
 from .masters import (
-    MASTER,
-    REMAINDER,
-    TIE_BITS,
     MasterMode,
-    decode_remainder,
-    encode_remainder,
     needs_master,
-    reconcile_master,
+    read_master,
+    write_master,
 )
 from .overlap import AttachHandle, StepGate
 from .planner import Chunk, ChunkPlan, Role
@@ -119,46 +122,28 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         gpu_budget_mb: float | None = None,
         overlap: bool = False,
     ) -> None:
-        _check_inner(inner)
-        if isinstance(chunk_size_mb, bool) or not isinstance(chunk_size_mb, (int, float)):
-            raise TypeError(f"chunk_size_mb must be a number of MiB, got {type(chunk_size_mb).__name__}")
-        if not (math.isfinite(chunk_size_mb) and chunk_size_mb > 0):
-            raise ValueError(f"chunk_size_mb must be a finite number > 0, got {chunk_size_mb}")
-        if offload_fraction is not None and gpu_budget_mb is not None:
-            raise ValueError(
-                f"pass offload_fraction ({offload_fraction}) or gpu_budget_mb ({gpu_budget_mb}), not both: the budget "
-                "decides what stays resident on its own"
-            )
+        check_inner(inner)
+        check_options(
+            chunk_size_mb=chunk_size_mb,
+            offload_fraction=offload_fraction,
+            num_slots=num_slots,
+            pin_memory=pin_memory,
+            master_weights=master_weights,
+            gpu_budget_mb=gpu_budget_mb,
+            overlap=overlap,
+        )
         if offload_fraction is None:
             offload_fraction = 1.0
-        if isinstance(offload_fraction, bool) or not isinstance(offload_fraction, (int, float)):
-            raise TypeError(f"offload_fraction must be a number in [0, 1], got {type(offload_fraction).__name__}")
-        if not 0.0 <= offload_fraction <= 1.0:
-            raise ValueError(f"offload_fraction must be in [0, 1], got {offload_fraction}")
-        if gpu_budget_mb is not None:
-            if isinstance(gpu_budget_mb, bool) or not isinstance(gpu_budget_mb, (int, float)):
-                raise TypeError(f"gpu_budget_mb must be a number of MiB, got {type(gpu_budget_mb).__name__}")
-            if not (math.isfinite(gpu_budget_mb) and gpu_budget_mb >= 0):
-                raise ValueError(f"gpu_budget_mb must be a finite number >= 0, got {gpu_budget_mb}")
-        if not isinstance(overlap, bool):
-            raise TypeError(f"overlap must be True or False, got {overlap!r}")
-        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
-            raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
-        if pin_memory is not None and not isinstance(pin_memory, bool):
-            raise TypeError(f"pin_memory must be True, False or None, got {pin_memory!r}")
-        modes = [m.value for m in MasterMode]
-        if master_weights not in modes:
-            raise ValueError(f"master_weights must be one of {modes}, got {master_weights!r}")
-        _check_not_wrapped(inner)
+        check_not_wrapped(inner)
         check_groups(inner)
-        _check_params(inner.param_groups)
+        check_params(inner.param_groups)
         self._mode = MasterMode(master_weights)
         self._inner = inner
         self._adapter = resolve_adapter(inner, adapter)
         self._adapter.check_config()
-        _check_sharding(inner.param_groups, self._adapter, self._mode, overlap)
-        self.device = _common_device(inner)
-        _check_master_mode(inner, self._adapter, self._mode)
+        check_sharding(inner.param_groups, self._adapter, self._mode, overlap)
+        self.device = common_device(inner)
+        check_master_mode(inner, self._adapter, self._mode)
         if pin_memory and self.device.type != "cuda":
             raise ValueError(f"pin_memory=True needs params on a CUDA device, but they are on {self.device}")
         self._pin = self.device.type == "cuda" if pin_memory is None else pin_memory
@@ -300,8 +285,8 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         if reason is not None:
             logger.debug("re-planning: %s", reason)
             check_groups(self._inner)
-            _check_params(groups)
-            _check_sharding(groups, self._adapter, self._mode, self.overlap)
+            check_params(groups)
+            check_sharding(groups, self._adapter, self._mode, self.overlap)
             try:
                 prepared = self._prepare(groups, self._inner.state)
             except IncompatibleStateError:
@@ -393,7 +378,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         self._gate.keep_alive(local(g) for c in chunks for i in c.params if (g := self._grad(i)) is not None)
         self._binding.stepping = True
         try:
-            with self._amp_attrs_forwarded(), self._hyperparameters_for_step():
+            with self._amp_attrs_forwarded(), self._gate.hyperparameter_copies(self._inner.param_groups):
                 # Inside the block: the counters restore the groups to what the inner is to see, the copies.
                 counters = GroupCounters(self._inner.param_groups)
                 try:
@@ -474,32 +459,6 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         """Before anything reads or writes what a step may still be using: the caller's stream waits for it."""
         self._gate.join()
 
-    @contextmanager
-    def _hyperparameters_for_step(self) -> Iterator[None]:
-        """With an overlapped step, hand the inner copies of hyperparameters held as device tensors.
-
-        A scheduler may update ``group["lr"]`` in place on the caller's stream right after ``step()`` returns,
-        while the step stream still reads it.
-        """
-        if not self.overlap:
-            yield
-            return
-        saved: list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]] = []
-        for group in self._inner.param_groups:
-            for key, value in group.items():
-                if key != "params" and isinstance(value, torch.Tensor):
-                    copy = value.clone()
-                    saved.append((group, key, value, copy))
-        for group, key, _, copy in saved:
-            group[key] = copy
-        self._gate.keep_alive(copy for _, _, _, copy in saved)
-        try:
-            yield
-        finally:
-            for group, key, value, copy in saved:
-                if group.get(key) is copy:
-                    group[key] = value
-
     def _inner_hooks(
         self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -557,11 +516,8 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         names = [n for n in ("grad_scale", "found_inf") if n in self.__dict__]
         saved = {n: self._inner.__dict__[n] for n in names if n in self._inner.__dict__}
         for n in names:
-            value = self.__dict__[n]
-            if self.overlap and isinstance(value, torch.Tensor):
-                value = value.clone()  # scaler.update() rewrites its scale in place while the step stream reads it
-                self._gate.keep_alive([value])
-            setattr(self._inner, n, value)
+            # scaler.update() rewrites its scale in place while an overlapped step may still read it.
+            setattr(self._inner, n, self._gate.private_copy(self.__dict__[n]))
         try:
             yield
         finally:
@@ -692,138 +648,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
                 yield info.param, self._read_master(info)
 
     def _read_master(self, info: ParamInfo) -> torch.Tensor:
-        home = self._homes[info.index]
-        device = home[MASTER if self._mode is MasterMode.FP32 else REMAINDER].device
-        param = info.param.detach().to(device)
-        rounded = torch.empty_like(param)
-        if self._mode is MasterMode.FP32:
-            master = home[MASTER]
-            rounded.copy_(master)
-            if torch.equal(rounded.view(torch.int16), param.view(torch.int16)):
-                return master  # not edited since its last step: the stored master itself
-            master = master.clone()
-        else:
-            like = home[REMAINDER]
-            master = torch.empty_strided(tuple(like.shape), like.stride(), dtype=torch.float32, device=device)
-            decode_remainder(param, home[REMAINDER], home[TIE_BITS], master)
-        reconcile_master(param, master, work=torch.empty_like(master), rounded=rounded)
-        return master
+        return read_master(self._homes[info.index], info.param, self._mode)
 
     def _write_master(self, info: ParamInfo, master: torch.Tensor) -> None:
-        """Set a param's master and the param itself (the master rounded to nearest even)."""
-        home = self._homes[info.index]
-        device = home[MASTER if self._mode is MasterMode.FP32 else REMAINDER].device
-        master = master.to(device=device, dtype=torch.float32)
-        rounded = master.to(info.param.dtype)
-        info.param.detach().copy_(rounded)
-        if self._mode is MasterMode.FP32:
-            home[MASTER].copy_(master)
-        else:
-            encode_remainder(master, rounded, home[REMAINDER], home[TIE_BITS], work=torch.empty_like(master))
-
-
-def _check_inner(inner: object) -> None:
-    if isinstance(inner, ChunkedOffloadOptimizer):
-        raise TypeError(
-            "inner is already a ChunkedOffloadOptimizer; wrap the underlying optimizer once (opt.inner is it)"
-        )
-    if not isinstance(inner, torch.optim.Optimizer):
-        if isinstance(inner, (list, tuple)) or isinstance(inner, Iterator) or isinstance(inner, torch.Tensor):
-            raise TypeError(
-                f"ChunkedOffloadOptimizer wraps an optimizer instance, got {type(inner).__name__} (parameters?). "
-                "Build the optimizer first: ChunkedOffloadOptimizer(torch.optim.AdamW(model.parameters()))"
-            )
-        raise TypeError(f"inner must be a torch.optim.Optimizer instance, got {type(inner).__name__}")
-
-
-def _check_not_wrapped(inner: torch.optim.Optimizer) -> None:
-    state = inner.state
-    if isinstance(state, StateTable) and state.binding is not None:
-        raise ValueError(
-            f"this {type(inner).__name__} is already wrapped by a live ChunkedOffloadOptimizer; two wrappers would "
-            "each step and rebind the same state. Use the existing wrapper (or drop it before wrapping again)"
-        )
-
-
-def _check_params(groups: Sequence[Mapping[str, Any]]) -> None:
-    seen: dict[int, tuple[int, int]] = {}
-    for gi, group in enumerate(groups):
-        for pi, p in enumerate(group["params"]):
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"param group {gi} holds a {type(p).__name__} at position {pi}, not a tensor")
-            if p.is_sparse or p.layout != torch.strided:
-                raise ValueError(
-                    f"param group {gi} holds a param with layout {p.layout}; only dense params are supported"
-                )
-            if id(p) in seen:
-                g0, p0 = seen[id(p)]
-                raise ValueError(
-                    f"param {pi} of param group {gi} (shape {tuple(p.shape)}) is also param {p0} of group {g0}; a "
-                    "param listed twice would be stepped twice. List each param once (torch only warns about this)"
-                )
-            seen[id(p)] = (gi, pi)
-
-
-def _check_sharding(groups: Sequence[Mapping[str, Any]], adapter: Adapter, mode: MasterMode, overlap: bool) -> None:
-    """DTensor params: refuse wrapper masters, overlap, and sharded params where the update needs whole ones."""
-    for gi, group in enumerate(groups):
-        for p in group["params"]:
-            if not is_dtensor(p):
-                continue
-            if overlap:
-                raise ValueError(
-                    f"overlap=True with DTensor params (param group {gi}): FSDP2 all-gathers a module's params "
-                    "before (and prefetches them ahead of) its forward, outside the hooks that would wait for their "
-                    "update. Use overlap=False with FSDP2"
-                )
-            if mode is not MasterMode.NONE:
-                raise ValueError(
-                    f"master_weights={mode.value!r} with DTensor params (param group {gi}): keep FSDP2's sharded "
-                    "params in fp32 and compute in bf16 with MixedPrecisionPolicy(param_dtype=torch.bfloat16) "
-                    "instead; the sharded fp32 params are then the masters. Use master_weights='none'"
-                )
-            placements = getattr(p, "placements", ())
-            if adapter.whole_params and any(type(pl).__name__ in ("Shard", "_StridedShard") for pl in placements):
-                raise TypeError(
-                    f"{type(adapter.inner).__name__} updates whole matrices, but a param of param group {gi} is "
-                    f"sharded across ranks ({tuple(placements)}); each rank would orthogonalize only its shard. Keep "
-                    "the Muon params unsharded (do not fully_shard the modules that hold them), or use a Muon that "
-                    "gathers shards itself, with adapter=KeyedAdapter(..., whole_params=False)"
-                )
-
-
-def _common_device(inner: torch.optim.Optimizer) -> torch.device:
-    devices = {p.device for g in inner.param_groups for p in g["params"]}
-    if len(devices) > 1:
-        raise ValueError(
-            f"all params must be on one device, got {sorted(str(d) for d in devices)}; wrap one optimizer per device"
-        )
-    device = devices.pop() if devices else torch.device("cpu")
-    if device.type not in ("cuda", "cpu"):
-        raise ValueError(f"params must be on a CUDA device or the CPU, got {device}")
-    return device
-
-
-def _check_master_mode(inner: torch.optim.Optimizer, adapter: Adapter, mode: MasterMode) -> None:
-    if mode is MasterMode.NONE:
-        return
-    if adapter.owns_masters() or getattr(inner, "master_weights", False):
-        raise ValueError(
-            f"master_weights={mode.value!r} but {type(inner).__name__} already keeps fp32 masters in its own state; "
-            "they are offloaded with the rest of its state. Use master_weights='none' so masters are not stored twice"
-        )
-    params = [p for g in inner.param_groups for p in g["params"]]
-    bad = sorted({str(p.dtype) for p in params if not p.is_floating_point()})
-    if bad:
-        raise ValueError(f"master_weights={mode.value!r} needs floating-point params, got params of dtype {bad}")
-    if mode is MasterMode.REMAINDER:
-        dtypes = {p.dtype for p in params}
-        if torch.float16 in dtypes:
-            raise ValueError(
-                "master_weights='remainder' encodes bf16 params only, got float16 params; use master_weights='fp32'"
-            )
-        if torch.bfloat16 not in dtypes:
-            raise ValueError(
-                f"master_weights='remainder' needs bf16 params, got only {sorted(str(d) for d in dtypes)}; "
-                "fp32 params need no master: use master_weights='none'"
-            )
+        write_master(self._homes[info.index], info.param, master, self._mode)

@@ -84,6 +84,36 @@ class StepGate:
                 if t.device.type == "cuda":
                     t.record_stream(self.stream)
 
+    def private_copy(self, value: Any) -> Any:
+        """A tensor the step may read while the caller rewrites the original in place; other values as they are."""
+        if not (self.enabled and isinstance(value, torch.Tensor)):
+            return value
+        copy = value.clone()
+        self.keep_alive([copy])
+        return copy
+
+    @contextmanager
+    def hyperparameter_copies(self, groups: list[dict[str, Any]]) -> Iterator[None]:
+        """For an overlapped step, put copies of the hyperparameters held as tensors into ``groups``.
+
+        A scheduler may update ``group["lr"]`` in place on the caller's stream right after ``step()`` returns,
+        while the step stream still reads it. The inner is assumed to only read them, as ``torch.optim`` does.
+        """
+        saved = []
+        if self.enabled:
+            for group in groups:
+                for key, value in group.items():
+                    if key != "params" and isinstance(value, torch.Tensor):
+                        saved.append((group, key, value, self.private_copy(value)))
+        for group, key, _, copy in saved:
+            group[key] = copy
+        try:
+            yield
+        finally:
+            for group, key, value, copy in saved:
+                if group.get(key) is copy:
+                    group[key] = value
+
     def wait_params(self, indices: Iterable[int]) -> None:
         """Order the current stream after the updates of the given params."""
         if not self.ready:

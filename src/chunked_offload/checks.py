@@ -1,0 +1,174 @@
+"""Input checks of the wrapper: each raises with what was given and how to fix it, before anything is modified."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .adapters import Adapter
+from .layout import is_dtensor
+from .masters import MasterMode
+from .state_table import StateTable
+
+__all__ = [
+    "check_inner",
+    "check_master_mode",
+    "check_not_wrapped",
+    "check_options",
+    "check_params",
+    "check_sharding",
+    "common_device",
+]
+
+
+def check_options(
+    *,
+    chunk_size_mb: Any,
+    offload_fraction: Any,
+    num_slots: Any,
+    pin_memory: Any,
+    master_weights: Any,
+    gpu_budget_mb: Any,
+    overlap: Any,
+) -> None:
+    """The constructor's keyword options."""
+    if isinstance(chunk_size_mb, bool) or not isinstance(chunk_size_mb, (int, float)):
+        raise TypeError(f"chunk_size_mb must be a number of MiB, got {type(chunk_size_mb).__name__}")
+    if not (math.isfinite(chunk_size_mb) and chunk_size_mb > 0):
+        raise ValueError(f"chunk_size_mb must be a finite number > 0, got {chunk_size_mb}")
+    if offload_fraction is not None and gpu_budget_mb is not None:
+        raise ValueError(
+            f"pass offload_fraction ({offload_fraction}) or gpu_budget_mb ({gpu_budget_mb}), not both: the budget "
+            "decides what stays resident on its own"
+        )
+    fraction = 1.0 if offload_fraction is None else offload_fraction
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+        raise TypeError(f"offload_fraction must be a number in [0, 1], got {type(fraction).__name__}")
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"offload_fraction must be in [0, 1], got {fraction}")
+    if gpu_budget_mb is not None:
+        if isinstance(gpu_budget_mb, bool) or not isinstance(gpu_budget_mb, (int, float)):
+            raise TypeError(f"gpu_budget_mb must be a number of MiB, got {type(gpu_budget_mb).__name__}")
+        if not (math.isfinite(gpu_budget_mb) and gpu_budget_mb >= 0):
+            raise ValueError(f"gpu_budget_mb must be a finite number >= 0, got {gpu_budget_mb}")
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be True or False, got {overlap!r}")
+    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
+        raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
+    if pin_memory is not None and not isinstance(pin_memory, bool):
+        raise TypeError(f"pin_memory must be True, False or None, got {pin_memory!r}")
+    modes = [m.value for m in MasterMode]
+    if master_weights not in modes:
+        raise ValueError(f"master_weights must be one of {modes}, got {master_weights!r}")
+
+
+def check_inner(inner: object) -> None:
+    from .optimizer import ChunkedOffloadOptimizer  # the wrapper's module imports this one
+
+    if isinstance(inner, ChunkedOffloadOptimizer):
+        raise TypeError(
+            "inner is already a ChunkedOffloadOptimizer; wrap the underlying optimizer once (opt.inner is it)"
+        )
+    if not isinstance(inner, torch.optim.Optimizer):
+        if isinstance(inner, (list, tuple)) or isinstance(inner, Iterator) or isinstance(inner, torch.Tensor):
+            raise TypeError(
+                f"ChunkedOffloadOptimizer wraps an optimizer instance, got {type(inner).__name__} (parameters?). "
+                "Build the optimizer first: ChunkedOffloadOptimizer(torch.optim.AdamW(model.parameters()))"
+            )
+        raise TypeError(f"inner must be a torch.optim.Optimizer instance, got {type(inner).__name__}")
+
+
+def check_not_wrapped(inner: torch.optim.Optimizer) -> None:
+    state = inner.state
+    if isinstance(state, StateTable) and state.binding is not None:
+        raise ValueError(
+            f"this {type(inner).__name__} is already wrapped by a live ChunkedOffloadOptimizer; two wrappers would "
+            "each step and rebind the same state. Use the existing wrapper (or drop it before wrapping again)"
+        )
+
+
+def check_params(groups: Sequence[Mapping[str, Any]]) -> None:
+    seen: dict[int, tuple[int, int]] = {}
+    for gi, group in enumerate(groups):
+        for pi, p in enumerate(group["params"]):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"param group {gi} holds a {type(p).__name__} at position {pi}, not a tensor")
+            if p.is_sparse or p.layout != torch.strided:
+                raise ValueError(
+                    f"param group {gi} holds a param with layout {p.layout}; only dense params are supported"
+                )
+            if id(p) in seen:
+                g0, p0 = seen[id(p)]
+                raise ValueError(
+                    f"param {pi} of param group {gi} (shape {tuple(p.shape)}) is also param {p0} of group {g0}; a "
+                    "param listed twice would be stepped twice. List each param once (torch only warns about this)"
+                )
+            seen[id(p)] = (gi, pi)
+
+
+def check_sharding(groups: Sequence[Mapping[str, Any]], adapter: Adapter, mode: MasterMode, overlap: bool) -> None:
+    """DTensor params: refuse wrapper masters, overlap, and sharded params where the update needs whole ones."""
+    for gi, group in enumerate(groups):
+        for p in group["params"]:
+            if not is_dtensor(p):
+                continue
+            if overlap:
+                raise ValueError(
+                    f"overlap=True with DTensor params (param group {gi}): FSDP2 all-gathers a module's params "
+                    "before (and prefetches them ahead of) its forward, outside the hooks that would wait for their "
+                    "update. Use overlap=False with FSDP2"
+                )
+            if mode is not MasterMode.NONE:
+                raise ValueError(
+                    f"master_weights={mode.value!r} with DTensor params (param group {gi}): keep FSDP2's sharded "
+                    "params in fp32 and compute in bf16 with MixedPrecisionPolicy(param_dtype=torch.bfloat16) "
+                    "instead; the sharded fp32 params are then the masters. Use master_weights='none'"
+                )
+            placements = getattr(p, "placements", ())
+            if adapter.whole_params and any(type(pl).__name__ in ("Shard", "_StridedShard") for pl in placements):
+                raise TypeError(
+                    f"{type(adapter.inner).__name__} updates whole matrices, but a param of param group {gi} is "
+                    f"sharded across ranks ({tuple(placements)}); each rank would orthogonalize only its shard. Keep "
+                    "the Muon params unsharded (do not fully_shard the modules that hold them), or use a Muon that "
+                    "gathers shards itself, with adapter=KeyedAdapter(..., whole_params=False)"
+                )
+
+
+def common_device(inner: torch.optim.Optimizer) -> torch.device:
+    devices = {p.device for g in inner.param_groups for p in g["params"]}
+    if len(devices) > 1:
+        raise ValueError(
+            f"all params must be on one device, got {sorted(str(d) for d in devices)}; wrap one optimizer per device"
+        )
+    device = devices.pop() if devices else torch.device("cpu")
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"params must be on a CUDA device or the CPU, got {device}")
+    return device
+
+
+def check_master_mode(inner: torch.optim.Optimizer, adapter: Adapter, mode: MasterMode) -> None:
+    if mode is MasterMode.NONE:
+        return
+    if adapter.owns_masters() or getattr(inner, "master_weights", False):
+        raise ValueError(
+            f"master_weights={mode.value!r} but {type(inner).__name__} already keeps fp32 masters in its own state; "
+            "they are offloaded with the rest of its state. Use master_weights='none' so masters are not stored twice"
+        )
+    params = [p for g in inner.param_groups for p in g["params"]]
+    bad = sorted({str(p.dtype) for p in params if not p.is_floating_point()})
+    if bad:
+        raise ValueError(f"master_weights={mode.value!r} needs floating-point params, got params of dtype {bad}")
+    if mode is MasterMode.REMAINDER:
+        dtypes = {p.dtype for p in params}
+        if torch.float16 in dtypes:
+            raise ValueError(
+                "master_weights='remainder' encodes bf16 params only, got float16 params; use master_weights='fp32'"
+            )
+        if torch.bfloat16 not in dtypes:
+            raise ValueError(
+                f"master_weights='remainder' needs bf16 params, got only {sorted(str(d) for d in dtypes)}; "
+                "fp32 params need no master: use master_weights='none'"
+            )
