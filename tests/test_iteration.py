@@ -262,6 +262,27 @@ def test_a_stale_prefetch_is_dropped_and_the_step_stays_exact(between: str) -> N
     assert not opt._pool.allocated
 
 
+def test_a_prefetch_that_fails_frees_the_slots_and_the_step_stays_exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    from chunked_offload.transfer import TransferEngine
+
+    ref, ref_params, opt, params = _pair()
+    run_steps(ref, ref_params, 3)
+    run_steps(opt, params, 2)
+    set_grads(params, make_grads(params, 2))
+    with monkeypatch.context() as patch:
+
+        def failing(self: Any, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("injected H2D failure")
+
+        patch.setattr(TransferEngine, "stage_in", failing)
+        with pytest.raises(RuntimeError, match="injected H2D failure"):
+            opt.prefetch()
+    assert not opt._pool.allocated and opt._schedule is not None and opt._schedule._prefetched is None
+    opt.step()
+    opt.zero_grad()
+    _assert_same(ref, ref_params, opt, params)
+
+
 # ---------------------------------------------------------------------- offload / reload handles
 @pytest.mark.parametrize("non_blocking", [False, True])
 def test_offload_and_reload_return_handles_and_repeat_as_no_ops(non_blocking: bool) -> None:

@@ -147,7 +147,13 @@ class StepSchedule:
         if not chunks or fresh[0]:
             return  # a first step creates its state on the device: nothing to bring in early
         depth = max(1, len(self.pool.slots) - 1)
-        events = self._start(chunks, fresh, depth)
+        try:
+            events = self._start(chunks, fresh, depth)
+        except BaseException:
+            # Nothing was modified (an H2D only reads the homes): free the slots, and the step stages again.
+            self.engine.drain(self.pool.slots)
+            self.pool.release(None)
+            raise
         self._prefetched = _Prefetch([c.index for c in chunks[:depth]], fresh[:depth], events, self.engine.home_version)
 
     def drop_prefetch(self) -> None:
