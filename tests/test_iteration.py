@@ -205,6 +205,25 @@ def test_an_overlapped_step_reads_copies_of_tensor_hyperparameters() -> None:
     _assert_same(ref, ref_params, opt, params)
 
 
+def test_overlap_refuses_dtensor_params(tmp_path: Any) -> None:
+    """FSDP2 gathers a module's params outside its forward hooks, so the gate could not order those reads."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        param = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
+        inner = torch.optim.AdamW([param])
+        with pytest.raises(ValueError, match="overlap=True with DTensor params .* Use overlap=False with FSDP2"):
+            ChunkedOffloadOptimizer(inner, overlap=True)
+        assert not inner.state
+        ChunkedOffloadOptimizer(inner, overlap=False)  # the same params without overlap are fine
+    finally:
+        dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------------- prefetch
 def test_prefetch_before_the_first_step_is_a_no_op() -> None:
     ref, ref_params, opt, params = _pair()
