@@ -8,7 +8,11 @@ AdamW, gradient clipping at 1.0, sequence 2048 on the GPU; a sweep over the batc
 Variants, each timed on the same iterations in one run:
     resident   the fp32 masters and AdamW state on the GPU (the loop the wrapper reproduces bitwise);
     sync       ChunkedOffloadOptimizer(master_weights="fp32"), the step blocks the next forward;
-    overlap    the same with overlap=True and opt.attach(model): the next forward overlaps the step.
+    overlap    the same with overlap=True and opt.attach(model): the next forward overlaps the step;
+    backward   step_in_backward=True and opt.attach(model): each chunk steps as soon as its grads are final, under
+               the backward. This mode cannot clip (it steps before clipping could run), so its loop does not clip,
+               and it is checked against a resident run without clipping; its exposed time is against the resident
+               iteration with clipping (which costs the resident loop a few ms).
 Exposed optimizer time = our iteration - the resident iteration, reported as a multiple of the step's transfer
 floor (the bytes each way over the measured duplex bandwidth).
 
@@ -39,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chunked_offload import ChunkedOffloadOptimizer  # noqa: E402
 from common import Recorder, Stats, device_name, git_sha, measure_link, progress, synchronize  # noqa: E402
 
-VARIANTS = ("resident", "sync", "overlap")
+VARIANTS = ("resident", "sync", "overlap", "backward")
+NO_CLIP = {"backward", "resident-noclip"}
 
 
 class ResidentMasters:
@@ -93,7 +98,7 @@ def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Modu
 
 
 def make_optimizer(variant: str, model: torch.nn.Module, args: argparse.Namespace) -> Any:
-    if variant == "resident":
+    if variant.startswith("resident"):
         return ResidentMasters(model, args.lr)
     fused = next(model.parameters()).device.type == "cuda"
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, fused=fused)
@@ -103,8 +108,9 @@ def make_optimizer(variant: str, model: torch.nn.Module, args: argparse.Namespac
         num_slots=args.num_slots,
         master_weights=args.master_weights,
         overlap=variant == "overlap",
+        step_in_backward=variant == "backward",
     )
-    if variant == "overlap":
+    if variant in ("overlap", "backward"):
         opt.attach(model)
     return opt
 
@@ -114,12 +120,13 @@ def batches_of(seed: int, count: int, batch: int, args: argparse.Namespace, devi
     return [torch.randint(0, args.vocab, (batch, args.seq), generator=gen, device=device) for _ in range(count)]
 
 
-def iterate(model: torch.nn.Module, opt: Any, ids: torch.Tensor) -> float:
+def iterate(model: torch.nn.Module, opt: Any, ids: torch.Tensor, clip: bool = True) -> float:
     """One training iteration; returns the host seconds ``opt.step()`` took to return."""
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    opt.prefetch()  # ours: the first chunk's H2D overlaps the clipping
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    if clip:
+        opt.prefetch()  # ours: the first chunk's H2D overlaps the clipping
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     t0 = time.perf_counter()
     opt.step()
     host = time.perf_counter() - t0
@@ -136,8 +143,9 @@ def run_variant(
     model.load_state_dict(initial)
     opt = make_optimizer(variant, model, args)
     data = batches_of(batch, args.warmup + args.iters, batch, args, device)
+    clip = variant not in NO_CLIP
     for ids in data[: args.warmup]:
-        iterate(model, opt, ids)
+        iterate(model, opt, ids, clip)
     opt.wait_step()
     synchronize(device)
     if device.type == "cuda":
@@ -146,7 +154,7 @@ def run_variant(
     hosts = []
     for ids in progress(data[args.warmup :], f"{variant} b={batch}"):
         marks.append(_mark(device))
-        hosts.append(iterate(model, opt, ids))
+        hosts.append(iterate(model, opt, ids, clip))
     opt.wait_step()  # the last step's updates are part of its iteration
     marks.append(_mark(device))
     synchronize(device)
@@ -178,11 +186,11 @@ def exact_check(model: torch.nn.Module, initial: dict[str, torch.Tensor], args: 
         torch.backends.cuda.enable_cudnn_sdp(False)
     finals: dict[str, list[torch.Tensor]] = {}
     try:
-        for variant in VARIANTS:
+        for variant in (*VARIANTS, "resident-noclip"):
             model.load_state_dict(initial)
             opt = make_optimizer(variant, model, args)
             for ids in batches_of(7, args.exact_steps, args.exact_batch, args, device):
-                iterate(model, opt, ids)
+                iterate(model, opt, ids, variant not in NO_CLIP)
             opt.wait_step()
             finals[variant] = [p.detach().cpu() for p in model.parameters()]
             del opt
@@ -193,8 +201,12 @@ def exact_check(model: torch.nn.Module, initial: dict[str, torch.Tensor], args: 
             torch.backends.cuda.enable_flash_sdp(True)
             torch.backends.cuda.enable_mem_efficient_sdp(True)
             torch.backends.cuda.enable_cudnn_sdp(True)
-    ref = finals["resident"]
-    return {v: all(torch.equal(a, b) for a, b in zip(ref, finals[v], strict=True)) for v in VARIANTS}
+
+    def same(v: str) -> bool:
+        ref = finals["resident-noclip" if v in NO_CLIP else "resident"]
+        return all(torch.equal(a, b) for a, b in zip(ref, finals[v], strict=True))
+
+    return {v: same(v) for v in VARIANTS}
 
 
 def main() -> int:

@@ -216,8 +216,10 @@ def test_overlap_refuses_dtensor_params(tmp_path: Any) -> None:
         mesh = init_device_mesh("cpu", (1,))
         param = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
         inner = torch.optim.AdamW([param])
-        with pytest.raises(ValueError, match="overlap=True with DTensor params .* Use overlap=False with FSDP2"):
-            ChunkedOffloadOptimizer(inner, overlap=True)
+        for mode in ({"overlap": True}, {"step_in_backward": True}):
+            expected = "step_in_backward=True with DTensor params .* Use overlap=False and step_in_backward=False"
+            with pytest.raises(ValueError, match=expected):
+                ChunkedOffloadOptimizer(inner, **mode)
         assert not inner.state
         ChunkedOffloadOptimizer(inner, overlap=False)  # the same params without overlap are fine
     finally:

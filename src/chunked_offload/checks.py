@@ -33,6 +33,7 @@ def check_options(
     master_weights: Any,
     gpu_budget_mb: Any,
     overlap: Any,
+    step_in_backward: Any = False,
 ) -> None:
     """The constructor's keyword options."""
     if isinstance(chunk_size_mb, bool) or not isinstance(chunk_size_mb, (int, float)):
@@ -56,6 +57,8 @@ def check_options(
             raise ValueError(f"gpu_budget_mb must be a finite number >= 0, got {gpu_budget_mb}")
     if not isinstance(overlap, bool):
         raise TypeError(f"overlap must be True or False, got {overlap!r}")
+    if not isinstance(step_in_backward, bool):
+        raise TypeError(f"step_in_backward must be True or False, got {step_in_backward!r}")
     if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
         raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
     if pin_memory is not None and not isinstance(pin_memory, bool):
@@ -117,9 +120,9 @@ def check_sharding(groups: Sequence[Mapping[str, Any]], adapter: Adapter, mode: 
                 continue
             if overlap:
                 raise ValueError(
-                    f"overlap=True with DTensor params (param group {gi}): FSDP2 all-gathers a module's params "
-                    "before (and prefetches them ahead of) its forward, outside the hooks that would wait for their "
-                    "update. Use overlap=False with FSDP2"
+                    f"overlap=True or step_in_backward=True with DTensor params (param group {gi}): FSDP2 all-gathers "
+                    "a module's params before (and prefetches them ahead of) its forward, outside the hooks that "
+                    "would wait for their update. Use overlap=False and step_in_backward=False with FSDP2"
                 )
             if mode is not MasterMode.NONE:
                 raise ValueError(

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -23,6 +24,7 @@ from .checks import (
     common_device,
 )
 from .host_arena import HostArena
+from .in_backward import BackwardStep
 from .layout import (
     IncompatibleStateError,
     Layout,
@@ -107,6 +109,10 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         overlap: run the step on a stream of its own and return before it finishes, so that the next forward
             overlaps it; call ``opt.attach(model)`` so that each module waits for its own params
             ([Note: Overlapped step]). Bitwise identical to ``overlap=False``.
+        step_in_backward: step each chunk during the backward pass, as soon as its params' grads are final
+            ([Note: Step in backward]); ``step()`` then only checks and returns. Implies a stream of its own, as
+            ``overlap``. For loops without gradient clipping or loss scaling; ``opt.accumulating()`` marks backward
+            passes that must not step (gradient accumulation).
     """
 
     def __init__(
@@ -121,6 +127,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         adapter: Adapter | None = None,
         gpu_budget_mb: float | None = None,
         overlap: bool = False,
+        step_in_backward: bool = False,
     ) -> None:
         check_inner(inner)
         check_options(
@@ -131,6 +138,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
             master_weights=master_weights,
             gpu_budget_mb=gpu_budget_mb,
             overlap=overlap,
+            step_in_backward=step_in_backward,
         )
         if offload_fraction is None:
             offload_fraction = 1.0
@@ -141,7 +149,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         self._inner = inner
         self._adapter = resolve_adapter(inner, adapter)
         self._adapter.check_config()
-        check_sharding(inner.param_groups, self._adapter, self._mode, overlap)
+        check_sharding(inner.param_groups, self._adapter, self._mode, overlap or step_in_backward)
         self.device = common_device(inner)
         check_master_mode(inner, self._adapter, self._mode)
         if pin_memory and self.device.type != "cuda":
@@ -164,9 +172,14 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         self.gpu_budget_mb = None if gpu_budget_mb is None else float(gpu_budget_mb)
         self.num_slots = num_slots
         self.overlap = overlap
+        self.step_in_backward = step_in_backward
         self._engine = TransferEngine(self.device)
         self._pool = StagingPool(num_slots, self.device)
-        self._gate = StepGate(self.device, overlap)
+        self._gate = StepGate(self.device, overlap or step_in_backward)
+        self._grad_hooks: list[Any] = []
+        self._backward_step: BackwardStep | None = None
+        self._stepped_in_backward: dict[int, int] | None = None  # param index -> grad version, until step()
+        self._accumulating = False
         # The engine, not the wrapper: a reference back to the wrapper would keep it (and its arena) alive in a cycle.
         self._binding = StateBinding(self._engine.before_home_write, self._adapter.is_offloaded)
         self._layout: Layout | None = None
@@ -286,7 +299,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
             logger.debug("re-planning: %s", reason)
             check_groups(self._inner)
             check_params(groups)
-            check_sharding(groups, self._adapter, self._mode, self.overlap)
+            check_sharding(groups, self._adapter, self._mode, self.overlap or self.step_in_backward)
             try:
                 prepared = self._prepare(groups, self._inner.state)
             except IncompatibleStateError:
@@ -335,6 +348,8 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         self._binding.dirty = False
         stepper = ChunkStepper(self._inner, self._adapter, self._mode, layout)
         self._schedule = StepSchedule(layout, stepper, self._engine, self._pool, self._gate)
+        if self.step_in_backward:
+            self._register_grad_hooks()
 
     @property
     def _infos(self) -> list[ParamInfo]:
@@ -369,6 +384,12 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         args, kwargs = self._inner_hooks("_optimizer_step_pre_hooks", (closure,) if closure is not None else (), {})
         closure = args[0] if args else kwargs.get("closure")
         loss = None
+        if self._stepped_in_backward is not None:
+            if closure is not None:
+                raise ValueError("step(closure) with step_in_backward=True: the backward pass has already stepped")
+            self._finish_step_in_backward()
+            self._inner_hooks("_optimizer_step_post_hooks", args, kwargs)
+            return None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
@@ -412,6 +433,104 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
     def _grad(self, index: int) -> torch.Tensor | None:
         return self._adapter.grad_of(self._infos[index].param)
 
+    # ------------------------------------------------------------------ step in backward
+    def _register_grad_hooks(self) -> None:
+        """A post-accumulate-grad hook on every param; through a weak reference, so params do not keep us alive."""
+        for handle in self._grad_hooks:
+            handle.remove()
+        ref = weakref.ref(self)
+
+        def hook(param: torch.Tensor) -> None:
+            opt = ref()
+            if opt is not None:
+                opt._grad_final(param)
+
+        self._grad_hooks = [
+            info.param.register_post_accumulate_grad_hook(hook) for info in self._infos if info.param.requires_grad
+        ]
+
+    def _grad_final(self, param: torch.Tensor) -> None:
+        if self._accumulating:
+            return
+        index = self._binding.index_of(param)
+        if index is None:
+            return
+        step = self._backward_step
+        if step is None:
+            step = self._open_step_in_backward()
+        step.grad_ready(index)
+
+    def _open_step_in_backward(self) -> BackwardStep:
+        """The first final grad of a backward: the checks and set-up of ``step()``, then the first H2D."""
+        if self._stepped_in_backward is not None:
+            raise RuntimeError(
+                "a second backward pass would step again before step() was called for the first; call step() after "
+                "each backward, or run the backward passes that must not step inside opt.accumulating()"
+            )
+        self._check_can_step()
+        self._sync()
+        if self._offloaded:
+            self.reload()
+        self._require_schedule().drop_prefetch()
+        self._inner_hooks("_optimizer_step_pre_hooks", (), {})
+        stack = ExitStack()
+        stack.enter_context(self._gate.hyperparameter_copies(self._inner.param_groups))
+        self._adapter.begin_step(self._stepped_dtype)
+        counters = GroupCounters(self._inner.param_groups)
+        self._binding.stepping = True
+        record = StepRecord(self._engine, self.device)
+        record.overlapped = self._gate.stream is not None
+
+        def on_close(aborted: bool) -> None:
+            try:
+                counters.finish()
+            finally:
+                stack.close()
+                self._binding.stepping = False
+                self._backward_step = None
+                if aborted:  # the exception leaves the backward; a later step() steps what has grads, as plain torch
+                    self._stepped_in_backward = None
+
+        step = BackwardStep(self._require_schedule(), list(reversed(self.plan.all_chunks)), counters, record, on_close)
+        self._backward_step = step
+        self._stepped_in_backward = step.versions
+        self._last_step = record
+        step.begin()
+        torch.autograd.Variable._execution_engine.queue_callback(step.close)
+        return step
+
+    def _finish_step_in_backward(self) -> None:
+        """``step()`` after a backward that stepped: refuse what changed the grads after their update."""
+        versions, self._stepped_in_backward = self._stepped_in_backward, None
+        if "found_inf" in self.__dict__ or "grad_scale" in self.__dict__:
+            raise RuntimeError(
+                "GradScaler with step_in_backward=True: the backward pass stepped with the scaled grads before the "
+                "scaler could unscale them or skip the step. Use step_in_backward=False with loss scaling"
+            )
+        changed = [
+            i for i, version in (versions or {}).items() if (g := self._grad(i)) is not None and g._version != version
+        ]
+        if changed:
+            raise RuntimeError(
+                f"the grads of {len(changed)} params (first: param {changed[0]}) were changed after the backward pass "
+                "had stepped with them (gradient clipping or unscaling?); with step_in_backward=True the update "
+                "uses the grads as the backward leaves them. Use step_in_backward=False to clip"
+            )
+        if not self._gate.attached:
+            self._gate.join()  # no module waits for its own params: the next forward waits for the whole step
+
+    @contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Backward passes inside do not step (gradient accumulation with ``step_in_backward=True``).
+
+        The backward of the last micro-batch, outside the block, steps with the accumulated grads.
+        """
+        previous, self._accumulating = self._accumulating, True
+        try:
+            yield
+        finally:
+            self._accumulating = previous
+
     def prefetch(self) -> None:
         """Start bringing in the first chunk(s) of the next step now, for example right after backward.
 
@@ -419,6 +538,8 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         hold their memory from now until that step. If the grads change before it, or the state is written, the
         step stages again what it needs. A no-op before the first step (its state is created on the device).
         """
+        if self.step_in_backward:
+            return  # the backward pass brings the chunks in itself
         chunks = self._chunks_to_step()
         self._require_schedule().prefetch(chunks)
 

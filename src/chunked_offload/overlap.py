@@ -49,6 +49,7 @@ class StepGate:
         # was last updated by an earlier one.
         self.ready: dict[int, torch.cuda.Event] = {}
         self.end: torch.cuda.Event | None = None  # after the last chunk's update, on the step stream
+        self.attached = 0  # models whose forward waits for their params (attach handles not removed)
 
     @contextmanager
     def stepping(self) -> Iterator[None]:
@@ -152,19 +153,23 @@ class StepGate:
                 )
 
             handles.append(module.register_forward_pre_hook(hook, prepend=True))
-        return AttachHandle(handles)
+        self.attached += 1
+        return AttachHandle(handles, self)
 
 
 class AttachHandle:
     """What ``opt.attach(model)`` returns: ``remove()`` takes the forward hooks off again."""
 
-    def __init__(self, handles: list[Any]) -> None:
+    def __init__(self, handles: list[Any], gate: StepGate) -> None:
         self._handles = handles
+        self._gate = gate
 
     def __len__(self) -> int:
         return len(self._handles)
 
     def remove(self) -> None:
+        if self._handles:
+            self._gate.attached -= 1
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -41,7 +41,14 @@ def _slow_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _train(
-    *, overlap: bool, attach: bool, scaler: bool = False, master: str = "none", steps: int = 5, **kwargs: Any
+    *,
+    overlap: bool,
+    attach: bool,
+    scaler: bool = False,
+    master: str = "none",
+    steps: int = 5,
+    clip: bool = True,
+    **kwargs: Any,
 ) -> tuple[_Mlp, ChunkedOffloadOptimizer, list[float]]:
     torch.manual_seed(0)
     dtype = torch.bfloat16 if master != "none" else torch.float32
@@ -67,7 +74,8 @@ def _train(
             grad_scaler.update()
         else:
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.prefetch()
             t0 = time.perf_counter()
             opt.step()
@@ -175,3 +183,18 @@ def test_stats_report_the_link_and_the_memory() -> None:
     assert stats.pinned_host_bytes == opt.plan.host_nbytes
     assert stats.window_bytes <= opt.plan.window_bound_nbytes
     print(f"\n{stats}")
+
+
+@pytest.mark.parametrize("master", ["none", "fp32"])
+def test_stepping_in_backward_raced_by_the_rest_of_the_backward_stays_exact(
+    monkeypatch: pytest.MonkeyPatch, master: str
+) -> None:
+    """Chunks step on the gate's stream while the backward goes on; each waits for its grads, and the next forward
+    waits for its own params' chunk."""
+    plain = _train(overlap=False, attach=False, master=master, clip=False)
+    with monkeypatch.context() as patch:
+        _slow_chunks(patch)
+        in_backward = _train(overlap=False, attach=True, master=master, clip=False, step_in_backward=True)
+    _assert_models_equal(plain, in_backward)
+    stats = in_backward[1].stats
+    assert stats is not None and stats.chunks >= 8

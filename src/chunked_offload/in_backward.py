@@ -1,0 +1,186 @@
+"""BackwardStep: one outer step driven by the backward pass, each chunk stepped as soon as its grads are final."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .adapters import GroupCounters
+from .planner import Chunk
+from .schedule import StepSchedule, _annotate, _Pending
+from .staging import SlotState
+from .telemetry import StepRecord
+
+__all__ = ["BackwardStep"]
+
+logger = logging.getLogger(__name__)
+
+
+class BackwardStep:
+    """Steps the chunks of one outer step from post-accumulate-grad hooks, during the backward pass.
+
+    [Note: Step in backward]
+    With ``step_in_backward=True`` every param has a post-accumulate-grad hook. The first hook of a backward opens a
+    step (the checks, copies and group counters of ``step()``, the slots' memory) and starts the H2D of the chunk
+    expected first: the backward produces grads in about reverse parameter order, so chunks are expected last to
+    first. Each hook marks its param's grad final. Once every param of a chunk is final, the chunk is stepped on the
+    gate's stream, which first waits for the backward's stream up to that point, and written back; then the H2D of the
+    next expected chunk starts in the other slot. A chunk that arrives out of the expected order takes the slot over
+    (its H2D queues behind the one it replaces). At the end of the backward an autograd callback steps the chunks
+    still open (some of their params got no grad, as a plain step would skip them) and closes the step.
+
+    Each chunk runs the inner step on the same bytes as ``step()`` would; only the order of the chunks differs, and
+    the inner's update of a param depends on that param alone. So the result is bitwise that of the plain loop, for
+    a loop without gradient clipping or loss scaling: their changes to the grads come after the update.
+
+    Args:
+        schedule: the step schedule (slots, engine, gate, stepper) of the current layout.
+        expected: the chunks to expect, in the order the backward should finish them.
+        counters: the group counters, opened by the caller.
+        record: the step's telemetry.
+        on_close: called once the step is closed (False) or aborted (True): the caller's own clean-up.
+    """
+
+    def __init__(
+        self,
+        schedule: StepSchedule,
+        expected: Sequence[Chunk],
+        counters: GroupCounters,
+        record: StepRecord,
+        on_close: Callable[[bool], None],
+    ) -> None:
+        self.schedule = schedule
+        self.expected = list(expected)
+        self.counters = counters
+        self.record = record
+        self._on_close = on_close
+        self._chunk_of = {i: c for c in self.expected for i in c.params}
+        self._open = {c.index: set(c.params) for c in self.expected}
+        self._fresh = {c.index: not schedule._has_state(c) for c in self.expected}
+        self._done: list[Chunk] = []
+        self._staged: tuple[int, torch.cuda.Event | None] | None = None  # (chunk index, H2D event) in the next slot
+        self.closed = False
+        self.versions: dict[int, int] = {}  # param index -> its grad's version when the chunk was stepped
+
+    # ------------------------------------------------------------------ driven by the hooks
+    def begin(self) -> None:
+        """Take the slots' memory and start the H2D of the chunk expected first."""
+        pool, engine = self.schedule.pool, self.schedule.engine
+        try:
+            if not all(self._fresh.values()):
+                pool.acquire(self.schedule.layout.plan.slot_nbytes)
+            engine.begin_step()
+            self._stage_next()
+        except BaseException:
+            self.abort(None)
+            raise
+
+    def grad_ready(self, index: int) -> None:
+        """Param ``index`` has its final grad; step its chunk once all of the chunk's params do."""
+        chunk = self._chunk_of.get(index)
+        if chunk is None or self.closed:
+            return
+        waiting = self._open.get(chunk.index)
+        if waiting is None:
+            return  # stepped already (a param whose grad is accumulated twice in one backward)
+        waiting.discard(index)
+        if not waiting:
+            self._run(chunk)
+
+    def close(self) -> None:
+        """End of the backward: step the chunks still open that have grads, then give the memory back."""
+        if self.closed:
+            return
+        grad_of = self.schedule.stepper.adapter.grad_of
+        infos = self.schedule.layout.infos
+        for chunk in self.expected:
+            if chunk.index in self._open and any(grad_of(infos[i].param) is not None for i in chunk.params):
+                self._run(chunk)
+        engine, pool = self.schedule.engine, self.schedule.pool
+        with self.schedule.gate.stepping():
+            self.record.compute_done()
+        engine.end_step(pool.slots)
+        if self._staged is not None:
+            # A chunk was brought in but got no grad: its H2D may still write the slot, which the release below
+            # does not order against (it records the D2H stream only).
+            self._staged = None
+            engine.drain(pool.slots)
+            pool.release(None)
+        else:
+            pool.release(engine.d2h_stream)
+        self.record.transfers_done()
+        self.closed = True
+        self._on_close(False)
+
+    def abort(self, pending: _Pending | None) -> bool:
+        """Roll the failing chunk back (or forward), let committed write-backs land, free the slots."""
+        forward = self.schedule._abort(pending)
+        self.closed = True
+        self._on_close(True)
+        return forward
+
+    # ------------------------------------------------------------------ one chunk
+    def _run(self, chunk: Chunk) -> None:
+        schedule = self.schedule
+        del self._open[chunk.index]
+        self._keep_grads_alive(chunk)
+        position = len(self._done)
+        slot = schedule.pool.slot_for(position)
+        fresh = self._fresh[chunk.index]
+        pending: _Pending | None = None
+        try:
+            matched, event = self._take_staged(chunk)
+            with schedule.gate.stepping():
+                if fresh:
+                    pending = schedule._step_fresh(chunk, slot, self.counters)
+                else:
+                    if not matched:
+                        event = schedule._stage(chunk, slot)
+                    pending = schedule._step_staged(chunk, slot, event, self.counters)
+                pending.committing = True
+                schedule.gate.mark_ready(
+                    chunk.params, schedule.engine.write_back(pending.slot, pending.pairs, pending.retain)
+                )
+                pending = None
+            self._record_versions(chunk)
+            self._done.append(chunk)
+            self.record.add_chunk(chunk, fresh, schedule.pool)
+            self._stage_next()
+        except BaseException as exc:
+            committed = len(self._done) + (1 if self.abort(pending) else 0)
+            _annotate(exc, self._done + [chunk], position, committed)
+            raise
+
+    def _grads(self, chunk: Chunk) -> list[tuple[int, torch.Tensor]]:
+        grad_of, infos = self.schedule.stepper.adapter.grad_of, self.schedule.layout.infos
+        return [(i, g) for i in chunk.params if (g := grad_of(infos[i].param)) is not None]
+
+    def _keep_grads_alive(self, chunk: Chunk) -> None:
+        self.schedule.gate.keep_alive(g for _, g in self._grads(chunk))
+
+    def _record_versions(self, chunk: Chunk) -> None:
+        """Each grad's version after its update: a later change (clipping, unscaling) is refused at ``step()``."""
+        for i, grad in self._grads(chunk):
+            self.versions[i] = grad._version
+
+    def _take_staged(self, chunk: Chunk) -> tuple[bool, torch.cuda.Event | None]:
+        """Whether ``chunk`` is the one staged in its slot, and its H2D event; otherwise the slot is handed over."""
+        staged, self._staged = self._staged, None
+        if staged is not None and staged[0] == chunk.index:
+            return True, staged[1]
+        if staged is not None:
+            # Another chunk's H2D was started in this slot. A new H2D queues behind it on the same stream, and keeps
+            # the waits the slot already has, so the slot can go back to where it was before that H2D.
+            self.schedule.pool.slot_for(len(self._done)).state = SlotState.DRAINING
+        return False, None
+
+    def _stage_next(self) -> None:
+        """Start the H2D of the next expected chunk (if it has state) in the slot of the next position."""
+        for chunk in self.expected:
+            if chunk.index in self._open:
+                if not self._fresh[chunk.index] and chunk.transfer_nbytes:
+                    slot = self.schedule.pool.slot_for(len(self._done))
+                    self._staged = (chunk.index, self.schedule._stage(chunk, slot))
+                return

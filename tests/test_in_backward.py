@@ -1,0 +1,211 @@
+"""Step in backward: each chunk steps as soon as its grads are final, bitwise the plain loop without clipping."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from chunked_offload import ChunkedOffloadOptimizer
+from reference import assert_equal, assert_states_equal
+
+_KIB = 1 / 1024  # MiB
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(40, 16)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+        self.unused = torch.nn.Linear(16, 16)  # never in the graph: no grad, no step, as with plain torch
+        self.frozen = torch.nn.Linear(16, 16)
+        self.frozen.requires_grad_(False)
+        self.head = torch.nn.Linear(16, 40)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = torch.nn.functional.gelu(layer(h))
+        return self.head(self.frozen(h))
+
+
+def _train(
+    mode: str,
+    *,
+    steps: int = 5,
+    micro: int = 1,
+    master: str = "none",
+    inner: str = "adamw",
+    chunk_kib: float = 2,
+    **kwargs: Any,
+) -> tuple[_Net, ChunkedOffloadOptimizer]:
+    torch.manual_seed(0)
+    model = _Net()
+    if master != "none":
+        model = model.to(torch.bfloat16)
+    make = {
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    }[inner]
+    opt = ChunkedOffloadOptimizer(
+        make(model.parameters()),
+        chunk_size_mb=chunk_kib * _KIB,
+        master_weights=master,
+        step_in_backward=mode == "backward",
+        **kwargs,
+    )
+    opt.attach(model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for m in range(micro):
+            x = torch.randint(0, 40, (3, 5), generator=gen)
+            loss = torch.nn.functional.cross_entropy(model(x).float().flatten(0, 1), x.flatten()) / micro
+            if mode == "backward" and m < micro - 1:
+                with opt.accumulating():
+                    loss.backward()
+            else:
+                loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+    opt.wait_step()
+    return model, opt
+
+
+def _assert_same(a: tuple[_Net, ChunkedOffloadOptimizer], b: tuple[_Net, ChunkedOffloadOptimizer]) -> None:
+    for (name, pa), pb in zip(a[0].named_parameters(), b[0].parameters(), strict=True):
+        assert_equal(pa, pb, name)
+    assert_states_equal(a[1], list(a[0].parameters()), b[1], list(b[0].parameters()))
+
+
+@pytest.mark.parametrize("chunk_kib", [2, 12])  # a param per chunk; several params per chunk
+@pytest.mark.parametrize("inner", ["adamw", "sgd"])
+@pytest.mark.parametrize("master", ["none", "fp32", "remainder"])
+def test_stepping_in_backward_matches_the_plain_loop(inner: str, master: str, chunk_kib: float) -> None:
+    plain = _train("plain", inner=inner, master=master, chunk_kib=chunk_kib)
+    backward = _train("backward", inner=inner, master=master, chunk_kib=chunk_kib)
+    _assert_same(plain, backward)
+    assert len(backward[1].plan.all_chunks) >= 3
+    if chunk_kib > 2:
+        assert any(len(c.params) >= 2 for c in backward[1].plan.all_chunks)
+    assert backward[1].stats is not None and backward[1].stats.chunks >= 3
+    assert not backward[1]._pool.allocated  # the slots went back at the end of the backward
+
+
+def test_gradient_accumulation_steps_only_in_the_last_backward() -> None:
+    _assert_same(_train("plain", micro=3), _train("backward", micro=3))
+
+
+@pytest.mark.parametrize("budget", [False, True])
+def test_resident_chunks_and_a_fraction_step_in_backward_too(budget: bool) -> None:
+    kwargs: dict[str, Any] = {"gpu_budget_mb": 0.05} if budget else {"offload_fraction": 0.5}
+    plain = _train("plain", **kwargs)
+    backward = _train("backward", **kwargs)
+    assert backward[1].plan.resident_chunks
+    _assert_same(plain, backward)
+
+
+def test_clipping_after_the_backward_step_is_refused() -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(model.parameters()), chunk_size_mb=2 * _KIB, step_in_backward=True)
+    x = torch.randint(0, 40, (3, 5))
+    model(x).square().mean().backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match="changed after the backward pass had stepped with them .*clipping"):
+        opt.step()
+    opt.zero_grad()
+    model(x).square().mean().backward()  # the wrapper goes on
+    opt.step()
+
+
+def test_a_second_backward_without_step_is_refused() -> None:
+    model = _Net()
+    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(model.parameters()), chunk_size_mb=2 * _KIB, step_in_backward=True)
+    x = torch.randint(0, 40, (3, 5))
+    model(x).square().mean().backward()
+    assert opt._stepped_in_backward is not None
+    with pytest.raises(RuntimeError, match="a second backward pass would step again"):
+        model(x).square().mean().backward()
+
+
+def test_grad_scaler_is_refused() -> None:
+    """Seen through the scale GradScaler hands a fused inner (a non-fused one only gets unscaled grads: see docs)."""
+    model = _Net()
+    inner = torch.optim.AdamW(model.parameters(), fused=True)
+    opt = ChunkedOffloadOptimizer(inner, chunk_size_mb=2 * _KIB, step_in_backward=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(model(torch.randint(0, 40, (3, 5))).square().mean()).backward()
+    with pytest.raises(RuntimeError, match="GradScaler with step_in_backward=True"):
+        scaler.step(opt)
+
+
+def test_set_grads_by_hand_step_as_usual() -> None:
+    """Without a backward pass (grads assigned), step() steps as in the plain mode."""
+    torch.manual_seed(0)
+    a, b = _Net(), _Net()
+    b.load_state_dict(a.state_dict())
+    plain = ChunkedOffloadOptimizer(torch.optim.AdamW(a.parameters()), chunk_size_mb=2 * _KIB)
+    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(b.parameters()), chunk_size_mb=2 * _KIB, step_in_backward=True)
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        if pa.requires_grad:
+            pa.grad = torch.full_like(pa, 0.5)
+            pb.grad = torch.full_like(pb, 0.5)
+    plain.step()
+    opt.step()
+    _assert_same((a, plain), (b, opt))
+
+
+def test_a_failing_chunk_raises_from_backward_and_leaves_the_wrapper_usable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from chunked_offload.stepping import ChunkStepper
+
+    model = _Net()
+    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(model.parameters()), chunk_size_mb=2 * _KIB, step_in_backward=True)
+    x = torch.randint(0, 40, (3, 5))
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    calls = {"n": 0}
+    original = ChunkStepper._narrowed_step
+
+    def failing(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected failure in the inner step")
+        return original(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ChunkStepper, "_narrowed_step", failing)
+        with pytest.raises(RuntimeError, match="injected failure") as info:
+            model(x).square().mean().backward()
+    assert "chunk 2 of the" in str(info.value.__notes__)
+    assert not opt._pool.allocated and opt._backward_step is None
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
+
+
+def test_the_mode_must_be_a_bool_and_prefetch_is_a_no_op() -> None:
+    with pytest.raises(TypeError, match="step_in_backward must be True or False"):
+        ChunkedOffloadOptimizer(torch.optim.AdamW(_Net().parameters()), step_in_backward=1)  # type: ignore[arg-type]
+    model = _Net()
+    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(model.parameters()), step_in_backward=True)
+    model(torch.randint(0, 40, (3, 5))).square().mean().backward()
+    opt.prefetch()
+    assert not opt._pool.allocated
+    opt.step()
+
+
+def test_dropping_the_wrapper_frees_it_although_params_hold_its_hooks() -> None:
+    import gc
+    import weakref
+
+    model = _Net()
+    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(model.parameters()), step_in_backward=True)
+    ref = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert ref() is None
+    model(torch.randint(0, 40, (3, 5))).square().mean().backward()  # the orphaned hooks do nothing
