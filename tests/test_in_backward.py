@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -209,3 +210,54 @@ def test_dropping_the_wrapper_frees_it_although_params_hold_its_hooks() -> None:
     gc.collect()
     assert ref() is None
     model(torch.randint(0, 40, (3, 5))).square().mean().backward()  # the orphaned hooks do nothing
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_interleavings_match_the_plain_loop(seed: int) -> None:
+    """Iterations that step in backward, accumulate, or are skipped, mixed with offload/reload, checkpoints and
+    state writes, against the same sequence on a plain wrapper."""
+    import random
+
+    rng = random.Random(seed)
+    runs = []
+    for mode in ("plain", "backward"):
+        torch.manual_seed(0)
+        model = _Net()
+        opt = ChunkedOffloadOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2),
+            chunk_size_mb=rng.choice([2, 12]) * _KIB,
+            offload_fraction=0.6,
+            step_in_backward=mode == "backward",
+        )
+        opt.attach(model)
+        runs.append((model, opt))
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(25):
+        op = rng.choice(["iterate"] * 4 + ["accumulate", "offload", "reload", "checkpoint", "write", "forward_only"])
+        x = torch.randint(0, 40, (3, 5), generator=gen)
+        for model, opt in runs:
+            loss = lambda m=model, x=x: torch.nn.functional.cross_entropy(m(x).flatten(0, 1), x.flatten())  # noqa: E731
+            if op == "iterate":
+                loss().backward()
+                opt.step()
+                opt.zero_grad()
+            elif op == "accumulate":
+                with opt.accumulating() if opt.step_in_backward else contextlib.nullcontext():
+                    loss().backward()
+                loss().backward()
+                opt.step()
+                opt.zero_grad()
+            elif op == "offload":
+                opt.offload(non_blocking=True)
+            elif op == "reload":
+                opt.reload()
+            elif op == "checkpoint":
+                opt.load_state_dict(opt.state_dict(snapshot=True))
+            elif op == "write":
+                p = next(iter(model.parameters()))
+                if p in opt.state and "exp_avg" in opt.state[p]:
+                    opt.state[p]["exp_avg"] = torch.full_like(p, 0.01)
+            else:
+                with torch.no_grad():
+                    loss()
+    _assert_same(runs[0], runs[1])
