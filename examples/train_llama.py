@@ -2,6 +2,7 @@
 
 Run:  PYTHONPATH=src python3 examples/train_llama.py                  # ~1 B params on a GPU, a tiny model on the CPU
       PYTHONPATH=src python3 examples/train_llama.py --no-overlap --steps 20
+      PYTHONPATH=src python3 examples/train_llama.py --step-in-backward      # steps under the backward; no clipping
 Needs `transformers`. The loop is a plain PyTorch loop; the wrapper adds three lines: wrap, attach, prefetch.
 """
 
@@ -45,7 +46,13 @@ def train(args: argparse.Namespace) -> tuple[list[float], torch.nn.Module, Chunk
     seq = args.seq or (2048 if device.type == "cuda" else 32)
     model = build(size, seq, device)
     inner = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=device.type == "cuda")
-    opt = ChunkedOffloadOptimizer(inner, chunk_size_mb=256, master_weights="fp32", overlap=args.overlap)
+    opt = ChunkedOffloadOptimizer(
+        inner,
+        chunk_size_mb=256,
+        master_weights="fp32",
+        overlap=args.overlap,
+        step_in_backward=args.step_in_backward,
+    )
     opt.attach(model)  # each module waits for its own params' update (a no-op gate without overlap)
     warmup = max(1, args.steps // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -57,9 +64,10 @@ def train(args: argparse.Namespace) -> tuple[list[float], torch.nn.Module, Chunk
     for step in range(args.steps):
         ids = torch.randint(0, vocab, (args.batch, seq), generator=gen, device=device)
         loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.prefetch()  # the first chunk's copy overlaps the clipping below
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        loss.backward()  # with step_in_backward=True, the chunks step in here
+        if args.clip:
+            opt.prefetch()  # the first chunk's copy overlaps the clipping below
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         schedule.step()
@@ -79,9 +87,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None, help="default 8 on a GPU, 2 on the CPU")
     parser.add_argument("--seq", type=int)
     parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--step-in-backward", action="store_true", help="step under the backward (turns clipping off)")
     parser.add_argument("--log-every", type=int, default=5)
     args = parser.parse_args()
     args.batch = args.batch or (8 if torch.cuda.is_available() else 2)
+    args.clip = not args.step_in_backward  # clipping would change the grads after the backward has stepped
     losses, model, opt = train(args)
     print(opt)
     print(f"final loss {losses[-1]:.4f} after {len(losses)} steps; last step: {opt.stats}")

@@ -245,7 +245,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         return (
             f"ChunkedOffloadOptimizer(inner={type(self._inner).__name__}, chunk_size_mb={self.chunk_size_mb}, "
             f"{self._residency()}, num_slots={self.num_slots}, master_weights={self._mode.value!r}, "
-            f"overlap={self.overlap}, device={self.device}, chunks={chunks})"
+            f"overlap={self.overlap}, step_in_backward={self.step_in_backward}, device={self.device}, chunks={chunks})"
         )
 
     def _residency(self) -> str:
