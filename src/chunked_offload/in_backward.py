@@ -10,7 +10,7 @@ import torch
 from .adapters import GroupCounters
 from .planner import Chunk
 from .schedule import StepSchedule, _annotate, _Pending
-from .staging import SlotState
+from .staging import Slot, SlotState
 from .telemetry import StepRecord
 
 __all__ = ["BackwardStep"]
@@ -131,7 +131,7 @@ class BackwardStep:
         fresh = self._fresh[chunk.index]
         pending: _Pending | None = None
         try:
-            matched, event = self._take_staged(chunk)
+            matched, event = self._take_staged(chunk, slot)
             with schedule.gate.stepping():
                 if fresh:
                     pending = schedule._step_fresh(chunk, slot, self.counters)
@@ -165,7 +165,7 @@ class BackwardStep:
         for i, grad in self._grads(chunk):
             self.versions[i] = grad._version
 
-    def _take_staged(self, chunk: Chunk) -> tuple[bool, torch.cuda.Event | None]:
+    def _take_staged(self, chunk: Chunk, slot: Slot) -> tuple[bool, torch.cuda.Event | None]:
         """Whether ``chunk`` is the one staged in its slot, and its H2D event; otherwise the slot is handed over."""
         staged, self._staged = self._staged, None
         if staged is not None and staged[0] == chunk.index:
@@ -173,7 +173,7 @@ class BackwardStep:
         if staged is not None:
             # Another chunk's H2D was started in this slot. A new H2D queues behind it on the same stream, and keeps
             # the waits the slot already has, so the slot can go back to where it was before that H2D.
-            self.schedule.pool.slot_for(len(self._done)).state = SlotState.DRAINING
+            slot.state = SlotState.DRAINING
         return False, None
 
     def _stage_next(self) -> None:

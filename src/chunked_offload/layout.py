@@ -13,7 +13,7 @@ import torch
 from .adapters import Adapter, spec_of
 from .host_arena import HostArena, typed_view
 from .masters import MASTER, REMAINDER, TIE_BITS, MasterMode, dense_spec, master_specs, needs_master
-from .planner import Bundle, Chunk, ChunkPlan, Home, Role, TensorSpec, _align, plan_chunks
+from .planner import Bundle, Chunk, ChunkPlan, Home, Role, TensorSpec, _align, plan_chunks, window_bound
 from .state_table import bind
 
 __all__ = [
@@ -266,7 +266,7 @@ def plan_layout(
     bundles = [Bundle(info.index, info.specs, info.weight) for info in infos]
     if gpu_budget is None:
         return plan_chunks(bundles, chunk_bytes=chunk_bytes, num_slots=num_slots, offload_fraction=offload_fraction)
-    window = plan_chunks(bundles, chunk_bytes=chunk_bytes, num_slots=num_slots).window_bound_nbytes
+    window = window_bound(bundles, chunk_bytes, num_slots)  # the window comes first, whatever stays resident
     if gpu_budget < window:
         mib = 2**20
         raise ValueError(

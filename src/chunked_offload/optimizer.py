@@ -272,7 +272,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
 
         ``step()`` does this on its own when something changed; call it to pay the cost (and see errors) earlier.
         """
-        self._join()
+        self._gate.join()
         self._sync(force=True)
 
     def _adopt_state(self) -> None:
@@ -576,10 +576,6 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         """
         self._gate.join()
 
-    def _join(self) -> None:
-        """Before anything reads or writes what a step may still be using: the caller's stream waits for it."""
-        self._gate.join()
-
     def _inner_hooks(
         self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -651,12 +647,12 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ the rest of the Optimizer API
     def zero_grad(self, set_to_none: bool = True) -> None:
         if not set_to_none:
-            self._join()  # zeroing in place on the caller's stream must wait until the step has read the grads
+            self._gate.join()  # zeroing in place on the caller's stream must wait until the step has read the grads
         self._inner.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the inner optimizer and extend the chunk plan (the host copies move once)."""
-        self._join()
+        self._gate.join()
         self._inner.add_param_group(param_group)
         try:
             self._sync(force=True)  # checks the groups and params before it re-plans
@@ -673,7 +669,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
                 default the tensors are views of the live host copies, valid until the next ``step()``, as with
                 a plain optimizer.
         """
-        self._join()
+        self._gate.join()
         self._sync(strict=False)
         return _state_dict.save(self, snapshot=snapshot)
 
@@ -682,7 +678,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
 
         Nothing is modified if the checkpoint does not fit, or if its layout cannot be allocated.
         """
-        self._join()
+        self._gate.join()
         self._sync()
         _state_dict.load(self, state_dict)
 
@@ -703,7 +699,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         ``wait()`` blocks until the copy has landed; with ``non_blocking=False`` (default) that has happened on
         return. A second call is a no-op that returns the first call's handle.
         """
-        self._join()
+        self._gate.join()
         self._sync()
         if self._offloaded:
             return self._last_move
@@ -714,7 +710,6 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
             host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=self._pin)
             handle = self._engine.move(host, flat)
             self._rehome_resident(host)
-        self._pool.release(None)  # between steps the slots hold nothing; a prefetch was dropped above
         self._offloaded = True
         self._last_move = handle.wait() if not non_blocking else handle
         return handle
@@ -726,7 +721,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         code that reads the resident state needs ``wait()`` on the returned handle (with ``non_blocking=False``, the
         default, it has landed on return). A call when nothing is offloaded is a no-op.
         """
-        self._join()
+        self._gate.join()
         if not self._offloaded:
             return self._last_move
         flat = self._require_layout().resident_flat
@@ -761,7 +756,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         Masters of offloaded params are host tensors. A master is read as the next step will use it
         ([Note: Edited params]); nothing is materialised on the GPU. Treat them as read-only.
         """
-        self._join()
+        self._gate.join()
         self._sync()
         self.synchronize()
         for info in self._infos:

@@ -142,17 +142,15 @@ class StepGate:
 
     def attach(self, model: torch.nn.Module, index_of: Callable[[torch.Tensor], int | None]) -> AttachHandle:
         """Gate the forward of every module of ``model`` that holds params on the updates of those params."""
-        handles = []
-        for module in model.modules():
-            if not any(True for _ in module.parameters(recurse=False)):
-                continue
 
-            def hook(mod: torch.nn.Module, args: Any) -> None:
-                self.wait_params(
-                    i for p in mod._parameters.values() if p is not None and (i := index_of(p)) is not None
-                )
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            self.wait_params(i for p in module._parameters.values() if p is not None and (i := index_of(p)) is not None)
 
-            handles.append(module.register_forward_pre_hook(hook, prepend=True))
+        handles = [
+            module.register_forward_pre_hook(hook, prepend=True)
+            for module in model.modules()
+            if any(True for _ in module.parameters(recurse=False))
+        ]
         self.attached += 1
         return AttachHandle(handles, self)
 

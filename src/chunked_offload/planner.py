@@ -22,6 +22,7 @@ __all__ = [
     "Role",
     "TensorSpec",
     "plan_chunks",
+    "window_bound",
 ]
 
 # [Note: Pipeline depth]
@@ -239,9 +240,7 @@ class ChunkPlan:
     @property
     def window_bound_nbytes(self) -> int:
         """Published bound on staging memory during ``step()``: ``num_slots * max(chunk, largest bundle)``."""
-        if not self.bundles:
-            return 0
-        return self.num_slots * max(self.chunk_bytes, self.largest_bundle_nbytes)
+        return window_bound(self.bundles, self.chunk_bytes, self.num_slots)
 
     def chunk_of(self, param_index: int) -> Chunk | None:
         for c in self.all_chunks:
@@ -267,6 +266,13 @@ class ChunkPlan:
 
     def __str__(self) -> str:
         return self.summary()
+
+
+def window_bound(bundles: Sequence[Bundle], chunk_bytes: int, num_slots: int) -> int:
+    """The staging window any plan of ``bundles`` keeps within: ``num_slots * max(chunk, largest bundle)``."""
+    if not bundles:
+        return 0
+    return num_slots * max(chunk_bytes, max(b.device_nbytes for b in bundles))
 
 
 def plan_chunks(

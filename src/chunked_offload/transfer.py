@@ -118,9 +118,8 @@ class TransferEngine:
         # Without this wait the copy could read bytes the caller's stream is still writing (or write a block the
         # allocator just recycled from its work).
         stream.wait_stream(compute)
-        if self.last_d2h_event is not None:
-            # Without this wait a copy could read host bytes a write-back is still writing.
-            stream.wait_event(self.last_d2h_event)
+        if not to_host:
+            self.begin_step()  # an H2D reads host bytes the last write-back may still be writing (a D2H is in order)
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
         for t in (dst, src):
