@@ -86,6 +86,17 @@ def run_master_reference(
     return masters, opt
 
 
+# Calls the soaks interleave that only the wrapper has (a plain optimizer does nothing in their place).
+WRAPPER_CALLS: dict[str, Callable[[Any], object]] = {
+    "offload": lambda opt: opt.offload(),
+    "reload": lambda opt: opt.reload(),
+    "offload_async": lambda opt: opt.offload(non_blocking=True),
+    "reload_async": lambda opt: opt.reload(non_blocking=True),
+    # Taken over by the next step, or dropped if anything in between makes it stale.
+    "prefetch": lambda opt: opt.prefetch(),
+}
+
+
 def assert_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
     """Bitwise equality (NaNs equal to NaNs): offloading moves bytes and must not change them."""
     torch.testing.assert_close(a.cpu(), b.cpu(), rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{what}: {m}")

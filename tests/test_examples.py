@@ -23,27 +23,26 @@ def _load(name: str) -> ModuleType:
     return module
 
 
-def test_train_llama_overlapped_matches_the_synchronous_loop() -> None:
+def _train_llama_twice(switch: str, **fixed: object) -> tuple[tuple, tuple]:
+    """Two tiny runs of the example, with ``switch`` off then on; losses and params must be bitwise equal."""
     pytest.importorskip("transformers")
     example = _load("train_llama")
-    common = dict(size="tiny", steps=4, batch=2, seq=16, log_every=100, step_in_backward=False, clip=True)
-    losses_sync, model_sync, _ = example.train(argparse.Namespace(overlap=False, **common))
-    losses, model, opt = example.train(argparse.Namespace(overlap=True, **common))
-    assert losses == losses_sync and all(torch.isfinite(torch.tensor(losses)))
-    for (name, a), b in zip(model_sync.named_parameters(), model.parameters(), strict=True):
+    common = dict(size="tiny", steps=4, batch=2, seq=16, log_every=100, **fixed)
+    off = example.train(argparse.Namespace(**{switch: False}, **common))
+    on = example.train(argparse.Namespace(**{switch: True}, **common))
+    assert on[0] == off[0] and all(torch.isfinite(torch.tensor(on[0])))
+    for (name, a), b in zip(off[1].named_parameters(), on[1].parameters(), strict=True):
         assert torch.equal(a, b), name
+    return off, on
+
+
+def test_train_llama_overlapped_matches_the_synchronous_loop() -> None:
+    _, (_, _, opt) = _train_llama_twice("overlap", step_in_backward=False, clip=True)
     assert opt.stats is not None and opt.stats.h2d_bytes > 0
 
 
 def test_train_llama_stepping_in_backward_matches_the_loop_without_clipping() -> None:
-    pytest.importorskip("transformers")
-    example = _load("train_llama")
-    common = dict(size="tiny", steps=4, batch=2, seq=16, log_every=100, overlap=False, clip=False)
-    losses_plain, model_plain, _ = example.train(argparse.Namespace(step_in_backward=False, **common))
-    losses, model, _ = example.train(argparse.Namespace(step_in_backward=True, **common))
-    assert losses == losses_plain
-    for (name, a), b in zip(model_plain.named_parameters(), model.parameters(), strict=True):
-        assert torch.equal(a, b), name
+    _train_llama_twice("step_in_backward", overlap=False, clip=False)
 
 
 def test_rl_loop_with_offload_matches_the_loop_without() -> None:

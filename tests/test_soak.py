@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from chunked_offload import ChunkedOffloadOptimizer
-from reference import assert_equal, assert_states_equal
+from reference import WRAPPER_CALLS, assert_equal, assert_states_equal
 
 MAKERS = {
     "adamw-foreach": lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1, foreach=True),
@@ -71,16 +71,8 @@ def test_random_interleavings_match_unwrapped(name: str, seed: int) -> None:
         elif op == "state_dict":
             opt.load_state_dict(_roundtrip(opt.state_dict()))
             ref.load_state_dict(copy.deepcopy(ref.state_dict()))
-        elif op == "offload":
-            opt.offload()
-        elif op == "reload":
-            opt.reload()
-        elif op == "offload_async":
-            opt.offload(non_blocking=True)
-        elif op == "reload_async":
-            opt.reload(non_blocking=True)
-        elif op == "prefetch":  # taken over by the next step, or dropped if anything in between makes it stale
-            opt.prefetch()
+        elif op in WRAPPER_CALLS:
+            WRAPPER_CALLS[op](opt)
         elif op == "write":  # a hand-written state value, as a user or a framework would assign it
             i = rng.randrange(len(all_params))
             entry, ref_entry = opt.state.get(all_params[i]), ref.state.get(all_ref[i])

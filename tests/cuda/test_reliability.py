@@ -16,7 +16,15 @@ from chunked_offload.host_arena import is_page_locked, registered_bytes
 from chunked_offload.staging import SlotState
 from chunked_offload.stepping import ChunkStepper
 from chunked_offload.transfer import TransferEngine
-from reference import assert_equal, assert_runs_match, assert_states_equal, make_grads, make_params, run_steps
+from reference import (
+    WRAPPER_CALLS,
+    assert_equal,
+    assert_runs_match,
+    assert_states_equal,
+    make_grads,
+    make_params,
+    run_steps,
+)
 
 pytestmark = pytest.mark.cuda
 MiB = 2**20
@@ -139,14 +147,8 @@ def test_a_thousand_random_steps_and_calls_match_plain_and_leak_nothing() -> Non
         elif op == "zero_grad":
             opt.zero_grad()
             ref.zero_grad()
-        elif op == "offload":
-            opt.offload()
-        elif op == "reload":
-            opt.reload()
-        elif op == "offload_async":
-            opt.offload(non_blocking=True)
-        elif op == "reload_async":
-            opt.reload(non_blocking=True)
+        elif op in WRAPPER_CALLS:
+            WRAPPER_CALLS[op](opt)
         elif op == "state_dict":
             opt.load_state_dict(opt.state_dict())
         elif op == "add_group" and groups_added < 3 and step < 500:
