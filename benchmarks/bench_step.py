@@ -18,7 +18,8 @@ Every variant starts from the same params and takes the same steps with the same
 bitwise equal to the reference's ("exact"); the script exits with status 1 if any of ours is not. torchao steps on
 the CPU, whose AdamW rounds differently, so its column shows the largest difference instead. Times are CUDA-event
 medians with p20/p80 in the CSV; the floor is the bytes each step moves each way over the measured bidirectional
-bandwidth of this link.
+bandwidth of this link. Our rows also show "x arena": the step against copying its own host arena both ways at once
+(the same pages; physical host pages differ in link speed by a few percent between runs, which this ratio cancels).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from common import (
     Recorder,
     SerialChunked,
     Stats,
+    arena_duplex_seconds,
     make_matrices,
     measure_link,
     peak_extra_bytes,
@@ -75,6 +77,7 @@ class Row:
     bound: int | None
     exact: str
     build_s: float
+    arena_floor_s: float | None = None  # ours: the whole arena both ways at once, on its own pages
     added_s: float | None = None
 
 
@@ -146,7 +149,7 @@ def run_variant(
     device: torch.device,
     iteration: bool,
     args: Any,
-) -> tuple[Stats, int, int, list[torch.Tensor], float, Any]:
+) -> tuple[Stats, int, int, list[torch.Tensor], float, float | None, Any]:
     with torch.no_grad():
         for p, x in zip(params, init, strict=True):
             p.copy_(x)
@@ -171,7 +174,11 @@ def run_variant(
     times = time_calls(call, device, args.warmup, args.iters, side)
     peak = peak_extra_bytes(call, device)
     final = [p.detach().to("cpu") for p in params]
-    return Stats.of(times), first_peak, peak, final, build_s, opt
+    arena_floor = None
+    if isinstance(opt, ChunkedOffloadOptimizer) and device.type == "cuda":
+        opt.synchronize()
+        arena_floor = arena_duplex_seconds(opt._require_layout().arena, device)  # overwrites the host state
+    return Stats.of(times), first_peak, peak, final, build_s, arena_floor, opt
 
 
 def bench_workload(
@@ -186,7 +193,9 @@ def bench_workload(
     rows: list[Row] = []
     reference: list[torch.Tensor] | None = None
     for v in progress(variants(name, gpu, chunks, args.master_chunk_mb, args.repeat), desc=name):
-        stats, first_peak, peak, final, build_s, opt = run_variant(v, params, init, device, name == "peers", args)
+        stats, first_peak, peak, final, build_s, arena_floor, opt = run_variant(
+            v, params, init, device, name == "peers", args
+        )
         if v.reference:
             reference, exact = final, "(reference)"
         elif reference is None:
@@ -197,7 +206,7 @@ def bench_workload(
             exact = ("yes" if same else "NO") if v.exact_expected else f"max|d| {diff:.1e}"
         bound = opt.plan.window_bound_nbytes if isinstance(opt, ChunkedOffloadOptimizer) else None
         floor = numel * v.floor_bytes / duplex if v.floor_bytes else None
-        rows.append(Row(name, v.name, stats, floor, first_peak, peak, bound, exact, build_s))
+        rows.append(Row(name, v.name, stats, floor, first_peak, peak, bound, exact, build_s, arena_floor))
         print(f"#   {v.name}: {stats.median:.4f} s, exact {exact}", flush=True)
         del opt
         gc.collect()
@@ -217,6 +226,9 @@ def record_row(r: Row, rec: Recorder) -> None:
     rec.add(r.workload, r.variant, "build_s", r.build_s)
     if r.floor_s:
         rec.add(r.workload, r.variant, "x_duplex_floor", r.stats.median / r.floor_s)
+    if r.arena_floor_s:
+        rec.add(r.workload, r.variant, "arena_floor_s", r.arena_floor_s)
+        rec.add(r.workload, r.variant, "x_arena_floor", r.stats.median / r.arena_floor_s)
     if r.bound is not None:
         rec.add(r.workload, r.variant, "window_bound_MiB", r.bound / MiB)
     if r.added_s is not None:
@@ -270,17 +282,18 @@ def main() -> int:
 
     print()
     header = (
-        f"{'workload':<19} {'variant':<34} {'s/step':>8} {'x floor':>8} {'+s vs res':>9} {'peak MiB':>9} "
-        f"{'1st MiB':>8} {'bound':>7} {'build s':>7}  exact"
+        f"{'workload':<19} {'variant':<34} {'s/step':>8} {'x floor':>8} {'x arena':>8} {'+s vs res':>9} "
+        f"{'peak MiB':>9} {'1st MiB':>8} {'bound':>7} {'build s':>7}  exact"
     )
     print(header)
     print("-" * len(header))
     for r in rows:
         xf = f"{r.stats.median / r.floor_s:.3f}" if r.floor_s else "-"
+        xa = f"{r.stats.median / r.arena_floor_s:.3f}" if r.arena_floor_s else "-"
         added = f"{r.added_s:.4f}" if r.added_s is not None else "-"
         bound = f"{r.bound / MiB:.0f}" if r.bound is not None else "-"
         print(
-            f"{r.workload:<19} {r.variant:<34} {r.stats.median:>8.4f} {xf:>8} {added:>9} {r.peak / MiB:>9.1f} "
+            f"{r.workload:<19} {r.variant:<34} {r.stats.median:>8.4f} {xf:>8} {xa:>8} {added:>9} {r.peak / MiB:>9.1f} "
             f"{r.first_peak / MiB:>8.1f} {bound:>7} {r.build_s:>7.2f}  {r.exact}"
         )
     _summaries(rows)
@@ -302,10 +315,16 @@ def _summaries(rows: list[Row]) -> None:
         print(f"# adamw: full reload / best chunked = {full[0] / min(chunked):.2f}x", end="")
         print(f"; serial chunked / best chunked = {serial[0] / min(chunked):.2f}x" if serial else "")
     for mode in ("fp32", "remainder"):
-        runs = [r.stats.median for r in rows if r.workload == "adamw-bf16-masters" and f"-{mode}" in r.variant]
+        runs = [r for r in rows if r.workload == "adamw-bf16-masters" and f"-{mode}" in r.variant]
         if len(runs) > 1:
-            listed = ", ".join(f"{t:.4f}" for t in runs)
-            print(f"# masters {mode}: runs {listed} s, spread {max(runs) / min(runs) - 1:.1%}")
+            secs = [r.stats.median for r in runs]
+            listed = ", ".join(f"{t:.4f}" for t in secs)
+            print(f"# masters {mode}: runs {listed} s, spread {max(secs) / min(secs) - 1:.1%}", end="")
+            ratios = [r.stats.median / r.arena_floor_s for r in runs if r.arena_floor_s]
+            if len(ratios) == len(runs):
+                listed = ", ".join(f"{x:.3f}" for x in ratios)
+                print(f"; x arena floor {listed}, spread {max(ratios) / min(ratios) - 1:.1%}", end="")
+            print()
     fp32, rem = med("adamw-bf16-masters", "chunked-256MB-fp32"), med("adamw-bf16-masters", "chunked-256MB-remainder")
     if fp32 and rem:
         print(f"# masters: remainder / fp32 step time = {min(rem) / min(fp32):.3f}")

@@ -232,7 +232,7 @@ def main() -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device.type == "cuda"
     # The calibration model on a GPU (0.95 B params); a tiny one on the CPU.
-    defaults = dict(hidden=2048, layers=16, intermediate=5632, heads=16, vocab=32000, seq=2048, batches="2,4,8,16")
+    defaults = dict(hidden=2048, layers=16, intermediate=5632, heads=16, vocab=32000, seq=2048, batches="4,8,16,24,32")
     if not gpu:
         defaults = dict(hidden=64, layers=2, intermediate=128, heads=4, vocab=256, seq=32, batches="1,2")
     for key, value in defaults.items():

@@ -139,6 +139,40 @@ def measure_link(device: torch.device, nbytes: int, iters: int = 5) -> Link:
     return Link(nbytes / t_h2d, nbytes / t_d2h, nbytes / t_both)
 
 
+def arena_duplex_seconds(arena: HostArena, device: torch.device, piece: int = 256 * 2**20, iters: int = 3) -> float:
+    """Seconds to copy a whole host arena to the device and back at once, in ``piece``-byte copies.
+
+    The floor of a step over exactly the pages it moves: two runs of the same benchmark get different physical host
+    pages, whose link speed differs by a few percent, so a step's ratio to this floor is steadier than its ratio to
+    a link measured once on other memory. The device->host copies overwrite the arena: call it once the arena's
+    contents are no longer needed.
+    """
+    n = arena.nbytes
+    if device.type != "cuda" or n == 0:
+        return 0.0
+    size = min(piece, n)
+    bufs = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
+    streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
+    starts = list(range(0, n, size))
+
+    def both() -> None:
+        main = torch.cuda.current_stream(device)
+        for s in streams:
+            s.wait_stream(main)
+        # The two directions walk the arena from opposite ends, as a step's H2D and D2H touch different chunks.
+        for lo, back in zip(starts, reversed(starts), strict=True):
+            with torch.cuda.stream(streams[0]):
+                m = min(size, n - lo)
+                bufs[0][:m].copy_(arena.region(lo, m), non_blocking=True)
+            with torch.cuda.stream(streams[1]):
+                m = min(size, n - back)
+                arena.region(back, m).copy_(bufs[1][:m], non_blocking=True)
+        for s in streams:
+            main.wait_stream(s)
+
+    return statistics.median(time_calls(both, device, 1, iters))
+
+
 def make_matrices(
     n_params: float, dim: int, dtype: torch.dtype, device: torch.device, seed: int = 0
 ) -> list[torch.nn.Parameter]:
