@@ -184,3 +184,53 @@ def _assert_same(ref: Any, ref_params: list[torch.nn.Parameter], opt: Any, param
         masters = [m for _, m in ref.master_params()]
         for i, (_, m) in enumerate(opt.master_params()):
             assert_equal(masters[i], m, f"master {i}")
+
+
+@pytest.mark.parametrize("target", [2, -1], ids=["first-deferred", "last"])
+@pytest.mark.parametrize("point", [p for p in POINTS if p not in ("fresh-alloc", "slots")])
+@pytest.mark.parametrize("config", ["adamw", "adamw-fp32-masters", "sgd-momentum"])
+def test_a_deferred_chunk_that_fails_in_the_forward_commits_whole_chunks(
+    monkeypatch: pytest.MonkeyPatch, config: str, point: str, target: int
+) -> None:
+    """With overlap and attach, chunks after the first ``num_slots`` run from the next forward's hooks."""
+    from test_iteration import Chain
+
+    dtype = _dtype(config)
+    params = make_params(SHAPES, dtype)
+    opt = ChunkedOffloadOptimizer(_inner(config, params), chunk_size_mb=0.002, overlap=True, **CONFIGS[config])
+    chain = Chain(params)
+    opt.attach(chain)
+    chunks = opt.plan.all_chunks
+    twin_params = make_params(SHAPES, dtype)
+    twin: Any = _wrap(config, twin_params) if dtype == torch.bfloat16 else _inner(config, twin_params)
+    run_steps(opt, params, 2)
+    run_steps(twin, twin_params, 2)
+    chain()
+    target = target % len(chunks)
+    if point == "h2d" and target == opt.num_slots:
+        target += 1  # the H2D of chunk i starts while chunk i - 1 steps: the first deferred H2D is chunk 3's
+    assert target >= opt.num_slots  # the failing chunk is deferred
+    set_grads(params, make_grads(params, 2))
+    with _fault(monkeypatch, point, target):
+        opt.step()  # enqueues the first chunks only
+        opt.zero_grad(set_to_none=True)
+        assert opt._schedule is not None and opt._schedule.deferred is not None
+        with pytest.raises((Injected, KeyboardInterrupt, torch.OutOfMemoryError)) as info:
+            chain()
+
+    assert opt._schedule.deferred is None and opt._gate.deferred is None
+    assert all(slot.state.value == "free" and slot.buffer is None for slot in opt._pool.slots)
+    assert not opt._binding.stepping
+    assert all(p.grad is None for p in params)  # the step's grads were put back to what the caller left
+    committed = _committed(info.value, len(chunks))
+    assert committed >= opt.num_slots
+    stepped = {i for c in chunks[:committed] for i in c.params}
+    grads = make_grads(twin_params, 2)
+    set_grads(twin_params, [g if i in stepped else None for i, g in enumerate(grads)])
+    twin.step()
+    twin.zero_grad()
+    _assert_same(twin, twin_params, opt, params)
+
+    run_steps(opt, params, 3, first_step=3)  # the wrapper is usable, and goes on exactly
+    run_steps(twin, twin_params, 3, first_step=3)
+    _assert_same(twin, twin_params, opt, params)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import torch
+import torch.optim.optimizer as torch_optimizer
 
 from . import state_dict as _state_dict
 from .adapters import Adapter, GroupCounters, check_groups, resolve_adapter
@@ -181,7 +182,15 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         self._stepped_in_backward: dict[int, int] | None = None  # param index -> grad version, until step()
         self._accumulating = False
         # The engine, not the wrapper: a reference back to the wrapper would keep it (and its arena) alive in a cycle.
-        self._binding = StateBinding(self._engine.before_home_write, self._adapter.is_offloaded)
+        gate, engine = self._gate, self._engine
+
+        def before_home_write() -> None:
+            gate.flush()  # a deferred chunk must not stage what the caller writes after the step
+            engine.before_home_write()
+
+        self._binding = StateBinding(before_home_write, self._adapter.is_offloaded)
+        self._deferred_grads: dict[int, torch.Tensor | None] = {}  # the grads the deferred chunks step with
+        self._deferred_counters: GroupCounters | None = None
         self._layout: Layout | None = None
         self._schedule: StepSchedule | None = None
         self._offloaded = False
@@ -395,6 +404,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
                 loss = closure()
         chunks = self._chunks_to_step()
         skip_staged = self._step_skipped_by_grad_scaler()
+        defer = self._may_defer(skip_staged)
         self._adapter.begin_step(self._stepped_dtype)
         self._gate.keep_alive(local(g) for c in chunks for i in c.params if (g := self._grad(i)) is not None)
         self._binding.stepping = True
@@ -403,9 +413,10 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
                 # Inside the block: the counters restore the groups to what the inner is to see, the copies.
                 counters = GroupCounters(self._inner.param_groups)
                 try:
-                    record = self._require_schedule().run(chunks, counters, skip_staged=skip_staged)
+                    record = self._require_schedule().run(chunks, counters, skip_staged=skip_staged, defer=defer)
                 finally:
                     counters.finish()
+                self._hold_deferred(counters)
         except BaseException:
             self._gate.join()  # the caller's stream goes on only after whatever the failed step enqueued
             raise
@@ -423,6 +434,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
 
     def _chunks_to_step(self) -> list[Chunk]:
         """Check that a step can run, bring the layout up to date; the chunks with at least one grad."""
+        self._gate.flush()  # the last step's deferred chunks go first
         self._check_can_step()
         self._sync()
         self._check_grads()
@@ -432,6 +444,76 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
 
     def _grad(self, index: int) -> torch.Tensor | None:
         return self._adapter.grad_of(self._infos[index].param)
+
+    # ------------------------------------------------------------------ deferred chunks
+    def _may_defer(self, skip_staged: bool) -> bool:
+        """Whether this step may leave its later chunks to the forwards that read them ([Note: Deferred chunks])."""
+        post_hooks = (
+            self._optimizer_step_post_hooks,
+            getattr(self._inner, "_optimizer_step_post_hooks", {}),
+            torch_optimizer._global_optimizer_post_hooks,
+        )
+        return (
+            self.overlap
+            and self._gate.attached > 0
+            and not skip_staged
+            and not any(n in self.__dict__ for n in ("grad_scale", "found_inf"))
+            and type(self._adapter).grad_of is Adapter.grad_of
+            and not any(post_hooks)  # a post-hook expects the step done (an EMA of the weights)
+        )
+
+    def _hold_deferred(self, counters: GroupCounters) -> None:
+        """After ``step()`` enqueued its first chunks: keep what the rest need, and let the gate enqueue them."""
+        run = self._require_schedule().deferred
+        if run is None:
+            return
+        self._deferred_grads = {i: self._grad(i) for c in run.chunks[run.next :] for i in c.params}
+        self._deferred_counters = counters
+        ref = weakref.ref(self)
+
+        def advance(indices: list[int] | None) -> None:
+            opt = ref()
+            if opt is not None:
+                opt._advance_deferred(indices)
+
+        self._gate.deferred = advance
+
+    def _advance_deferred(self, indices: list[int] | None) -> None:
+        """Enqueue the deferred chunks that hold ``indices`` and the next ``num_slots`` after them (None: all)."""
+        schedule, counters = self._require_schedule(), self._deferred_counters
+        run = schedule.deferred
+        if run is None or counters is None:
+            self._end_deferred()
+            return
+        until = None
+        if indices is not None:
+            last = schedule.deferred_position(indices)
+            if last < 0:
+                return
+            until = last + self.num_slots  # the link keeps working ahead of the forward
+        stop = len(run.chunks) if until is None else min(until + 1, len(run.chunks))
+        swapped = []
+        for c in run.chunks[run.next : stop]:
+            for i in c.params:
+                param, grad = self._infos[i].param, self._deferred_grads[i]
+                if param.grad is not grad:
+                    swapped.append((param, param.grad))
+                    param.grad = grad  # the grad of the step, which the caller may have let go since
+        self._binding.stepping = True
+        try:
+            with counters.deferred():
+                schedule.advance(until)
+        finally:
+            self._binding.stepping = False
+            for param, grad in swapped:
+                param.grad = grad
+            if schedule.deferred is None:
+                self._end_deferred()
+
+    def _end_deferred(self) -> None:
+        self._deferred_grads = {}
+        self._deferred_counters = None
+        self._gate.deferred = None
 
     # ------------------------------------------------------------------ step in backward
     def _register_grad_hooks(self) -> None:
@@ -549,6 +631,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
 
         Reading it on a GPU waits for the last step to finish (its times come from CUDA events).
         """
+        self._gate.flush()
         if self._last_step is None:
             return None
         layout = self._require_layout()

@@ -16,12 +16,13 @@ class StepGate:
 
     [Note: Overlapped step]
     With ``overlap=True`` the chunk loop of ``step()`` runs on a stream of its own, which first waits for the
-    caller's stream (the grads are ready). ``step()`` returns once every chunk is enqueued; the caller's stream goes
-    on at once. After each chunk's update the gate records an event, and a module attached with
-    ``opt.attach(model)`` makes the stream that runs its forward wait for the events of its own params, just before
-    the forward reads them. The next forward therefore runs while later chunks are still being stepped, and reads
-    each param only after its update: the result is bitwise that of the synchronous loop, because every kernel is
-    the same and runs on the same bytes in the same order.
+    caller's stream (the grads are ready). ``step()`` returns once its chunks are enqueued; the caller's stream goes
+    on at once. With an attached model only the first chunks are: the rest wait until a forward hook asks for them
+    ([Note: Deferred chunks] in docs/design.md; ``deferred`` below). After each chunk's update the gate records an
+    event, and a module attached with ``opt.attach(model)`` makes the stream that runs its forward wait for the events
+    of its own params, just before the forward reads them. The next forward therefore runs while later chunks are
+    still being stepped, and reads each param only after its update: the result is bitwise that of the synchronous
+    loop, because every kernel is the same and runs on the same bytes in the same order.
 
     What else reads or writes what the step stream uses:
     - grads and GradScaler's tensors: ``record_stream`` keeps their memory from being reused while the step stream
@@ -50,16 +51,23 @@ class StepGate:
         self.ready: dict[int, torch.cuda.Event] = {}
         self.end: torch.cuda.Event | None = None  # after the last chunk's update, on the step stream
         self.attached = 0  # models whose forward waits for their params (attach handles not removed)
+        # Set while a step has deferred chunks: enqueues those holding the given params (None: all of them).
+        self.deferred: Callable[[list[int] | None], None] | None = None
 
     @contextmanager
-    def stepping(self) -> Iterator[None]:
-        """Run the block on the step stream, after what the caller's stream has enqueued so far."""
+    def stepping(self, wait_caller: bool = True) -> Iterator[None]:
+        """Run the block on the step stream, after what the caller's stream has enqueued so far.
+
+        ``wait_caller=False`` for the deferred chunks of a step that already waited: what the caller has enqueued
+        since (the next forward) waits for them, not the other way round.
+        """
         if self.stream is None:
             yield
             return
-        caller = torch.cuda.current_stream(self.stream.device)
-        # Without this wait the step could read grads the caller's backward has not finished writing.
-        self.stream.wait_stream(caller)
+        if wait_caller:
+            caller = torch.cuda.current_stream(self.stream.device)
+            # Without this wait the step could read grads the caller's backward has not finished writing.
+            self.stream.wait_stream(caller)
         try:
             with torch.cuda.stream(self.stream):
                 yield
@@ -115,8 +123,16 @@ class StepGate:
                 if group.get(key) is copy:
                     group[key] = value
 
+    def flush(self) -> None:
+        """Enqueue every deferred chunk of the last step."""
+        if self.deferred is not None:
+            self.deferred(None)
+
     def wait_params(self, indices: Iterable[int]) -> None:
-        """Order the current stream after the updates of the given params."""
+        """Order the current stream after the updates of the given params (enqueuing their chunks if deferred)."""
+        if self.deferred is not None:
+            indices = list(indices)
+            self.deferred(indices)
         if not self.ready:
             return
         assert self.stream is not None
@@ -131,12 +147,14 @@ class StepGate:
 
     def join(self) -> None:
         """Order the current stream after the whole last step."""
+        self.flush()
         if self.end is not None and self.stream is not None:
             # Without this wait the caller could read (or free) what the step stream still uses.
             torch.cuda.current_stream(self.stream.device).wait_event(self.end)
 
     def synchronize(self) -> None:
         """Block the host until the last step's updates have run."""
+        self.flush()
         if self.end is not None:
             self.end.synchronize()
 
@@ -146,28 +164,38 @@ class StepGate:
         def hook(module: torch.nn.Module, args: Any) -> None:
             self.wait_params(i for p in module._parameters.values() if p is not None and (i := index_of(p)) is not None)
 
+        def done(module: torch.nn.Module, args: Any, output: Any) -> None:
+            self.flush()  # what no module of the forward asked for is enqueued before the backward can start
+
         handles = [
             module.register_forward_pre_hook(hook, prepend=True)
             for module in model.modules()
             if any(True for _ in module.parameters(recurse=False))
         ]
         self.attached += 1
-        return AttachHandle(handles, self)
+        return AttachHandle(handles, model.register_forward_hook(done), self)
 
 
 class AttachHandle:
-    """What ``opt.attach(model)`` returns: ``remove()`` takes the forward hooks off again."""
+    """What ``opt.attach(model)`` returns: ``remove()`` takes the forward hooks off again.
 
-    def __init__(self, handles: list[Any], gate: StepGate) -> None:
+    ``len()`` is the number of modules whose forward waits for its params.
+    """
+
+    def __init__(self, handles: list[Any], done: Any, gate: StepGate) -> None:
         self._handles = handles
+        self._done: Any = done  # the model's own forward hook, which enqueues what is left of a deferred step
         self._gate = gate
 
     def __len__(self) -> int:
         return len(self._handles)
 
     def remove(self) -> None:
-        if self._handles:
+        if self._done is not None:
             self._gate.attached -= 1
+            self._gate.flush()  # nothing will ask for the deferred chunks any more
+            self._done.remove()
+            self._done = None
         for h in self._handles:
             h.remove()
         self._handles.clear()

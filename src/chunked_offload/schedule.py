@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -48,6 +48,25 @@ class _Pending:
     committing: bool = False
 
 
+@dataclass
+class _Run:
+    """One outer step's progress through its chunks: what is enqueued, what waits ([Note: Deferred chunks])."""
+
+    chunks: list[Chunk]
+    fresh: list[bool]
+    record: StepRecord
+    counters: GroupCounters
+    events: _Events = field(default_factory=dict)
+    next: int = 0  # the first chunk not enqueued yet
+    position: int = -1  # the chunk being enqueued (for the failure note)
+    committed: int = 0
+    pending: _Pending | None = None
+    position_of: dict[int, int] = field(default_factory=dict)  # param index -> position of its chunk
+
+    def __post_init__(self) -> None:
+        self.position_of = {i: pos for pos, chunk in enumerate(self.chunks) for i in chunk.params}
+
+
 class StepSchedule:
     """Runs one outer step: every chunk with a grad is staged, stepped by the inner optimizer and written back.
 
@@ -88,9 +107,17 @@ class StepSchedule:
         self.pool = pool
         self.gate = gate
         self._prefetched: _Prefetch | None = None
+        self.deferred: _Run | None = None  # a step whose last chunks are not enqueued yet
 
-    def run(self, chunks: Sequence[Chunk], counters: GroupCounters, *, skip_staged: bool = False) -> StepRecord:
-        """Step ``chunks`` (each has at least one grad); ``skip_staged`` steps only chunks without state yet."""
+    def run(
+        self, chunks: Sequence[Chunk], counters: GroupCounters, *, skip_staged: bool = False, defer: bool = False
+    ) -> StepRecord:
+        """Step ``chunks`` (each has at least one grad); ``skip_staged`` steps only chunks without state yet.
+
+        With ``defer`` the step may return after enqueuing only its first chunks; the rest wait in ``deferred``
+        for ``advance`` ([Note: Deferred chunks]). It defers only chunks that all have state, and only while the
+        inner optimizer leaves the groups' values alone.
+        """
         fresh = [not self._has_state(c) for c in chunks]
         if skip_staged:
             chunks = [c for c, f in zip(chunks, fresh, strict=True) if f]
@@ -100,41 +127,76 @@ class StepSchedule:
         if not chunks:
             self.stepper.run_empty(counters)
             return record
-        engine, pool = self.engine, self.pool
-        pending: _Pending | None = None
-        position, committed = -1, 0
+        run = _Run(list(chunks), fresh, record, counters)
         try:
-            if events is None:
-                events = self._start(chunks, fresh, len(pool.slots) - 1)
-            lookahead = len(pool.slots) - 1
-            with self.gate.stepping():
-                for pos, chunk in enumerate(chunks):
-                    position = pos
+            run.events = events if events is not None else self._start(chunks, fresh, len(self.pool.slots) - 1)
+        except BaseException as exc:
+            self._fail(run, exc)
+            raise
+        head = len(chunks) if not defer or any(fresh) else min(len(chunks), len(self.pool.slots))
+        self._advance(run, head - 1, first=True)
+        if run.next < len(chunks):
+            if counters.changed():  # the inner keeps counters in the groups: every chunk runs now, in order
+                self._advance(run, len(chunks) - 1, first=False)
+            else:
+                self.deferred = run
+        return record
+
+    def advance(self, until: int | None) -> None:
+        """Enqueue the deferred chunks up to position ``until`` (all with None)."""
+        run = self.deferred
+        if run is None:
+            return
+        last = len(run.chunks) - 1 if until is None else min(until, len(run.chunks) - 1)
+        if last >= run.next:
+            self._advance(run, last, first=False)
+
+    def deferred_position(self, param_indices: Iterable[int]) -> int:
+        """The last position of a chunk of the deferred step that holds any of these params (-1: none)."""
+        run = self.deferred
+        if run is None:
+            return -1
+        where = run.position_of
+        last = max((where.get(i, -1) for i in param_indices), default=-1)
+        return last if last >= run.next else -1
+
+    def _advance(self, run: _Run, last: int, *, first: bool) -> None:
+        """Enqueue chunks ``run.next .. last`` on the gate's stream; finish the step after the last chunk."""
+        engine, pool = self.engine, self.pool
+        events, chunks, fresh = run.events, run.chunks, run.fresh
+        lookahead = len(pool.slots) - 1
+        try:
+            with self.gate.stepping(wait_caller=first):
+                for pos in range(run.next, last + 1):
+                    run.position = pos
+                    chunk = chunks[pos]
                     ahead = pos + lookahead
                     if ahead < len(chunks) and not fresh[ahead] and ahead not in events:
                         events[ahead] = self._stage(chunks[ahead], pool.slot_for(ahead))
                     slot = pool.slot_for(pos)
                     if fresh[pos]:
-                        pending = self._step_fresh(chunk, slot, counters)
+                        run.pending = self._step_fresh(chunk, slot, run.counters)
                     else:
                         if pos not in events:
                             events[pos] = self._stage(chunk, slot)
-                        pending = self._step_staged(chunk, slot, events.pop(pos), counters)
+                        run.pending = self._step_staged(chunk, slot, events.pop(pos), run.counters)
+                    pending = run.pending
                     pending.committing = True
                     self.gate.mark_ready(chunk.params, engine.write_back(pending.slot, pending.pairs, pending.retain))
-                    pending = None
-                    committed += 1
-                    record.add_chunk(chunk, fresh[pos], pool)
-                record.compute_done()
+                    run.pending = None
+                    run.committed += 1
+                    run.next = pos + 1
+                    run.record.add_chunk(chunk, fresh[pos], pool)
+                if run.next == len(chunks):
+                    run.record.compute_done()
         except BaseException as exc:
-            if self._abort(pending):
-                committed += 1
-            _annotate(exc, chunks, position, committed)
+            self._fail(run, exc)
             raise
-        engine.end_step(pool.slots)
-        pool.release(engine.d2h_stream)
-        record.transfers_done()
-        return record
+        if run.next == len(chunks):
+            self.deferred = None
+            engine.end_step(pool.slots)
+            pool.release(engine.d2h_stream)
+            run.record.transfers_done()
 
     def prefetch(self, chunks: Sequence[Chunk]) -> None:
         """Start the H2D of the first chunks the next ``run(chunks)`` will stage; ``run`` takes it over.
@@ -265,6 +327,13 @@ class StepSchedule:
         return False
 
     # ------------------------------------------------------------------ failure
+    def _fail(self, run: _Run, exc: BaseException) -> None:
+        """Abort ``run`` after ``exc``: roll its failing chunk back (or forward), note in ``exc`` what happened."""
+        self.deferred = None
+        if self._abort(run.pending):
+            run.committed += 1
+        _annotate(exc, run.chunks, run.position, run.committed)
+
     def _abort(self, pending: _Pending | None) -> bool:
         """Roll the failing chunk back (or forward), let committed write-backs land, free every slot.
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -213,6 +214,27 @@ class GroupCounters:
         for gi, group in enumerate(self._groups):
             final = self._final[gi]
             self._restore(group, final if final is not None else self._start[gi])
+
+    def changed(self) -> bool:
+        """Whether a chunk so far changed a group's values (the inner keeps a counter there)."""
+        return any(final is not None for final in self._final)
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        """Around chunks stepped after ``step()`` returned: they see the step's values, the caller keeps its own.
+
+        The caller may have changed the groups since (a scheduler's next ``lr``). Each chunk inside still runs
+        with the values of the step's start, and afterwards the groups get the caller's values back, with any
+        value the inner changed on top.
+        """
+        callers = [self._snapshot(g) for g in self._groups]
+        try:
+            yield
+        finally:
+            for group, caller, start in zip(self._groups, callers, self._start, strict=True):
+                now = self._snapshot(group)
+                changed = {k: v for k, v in now.items() if k not in start or not _same_values({k: v}, {k: start[k]})}
+                self._restore(group, {**caller, **changed})
 
 
 def _same_values(a: dict[str, Any], b: dict[str, Any]) -> bool:
