@@ -13,6 +13,9 @@ Workloads:
     peers               fp32 params, AdamW, a whole iteration (backward + step): resident (the reference), the
                         wrapper, serial chunked, and torchao's CPUOffloadOptimizer (Adam on the CPU) when torchao is
                         importable. Reports the time each adds to the resident iteration.
+    budget              fp32 params, fused AdamW: the wrapper with gpu_budget_mb set to its staging window plus 0,
+                        25, 50, 75 and 100% of the state, against resident: what stays resident is copied on the
+                        device instead of over the link, so the step time falls with the resident share.
 
 Every variant starts from the same params and takes the same steps with the same grads, so its final params must be
 bitwise equal to the reference's ("exact"); the script exits with status 1 if any of ours is not. torchao steps on
@@ -78,6 +81,7 @@ class Row:
     exact: str
     build_s: float
     arena_floor_s: float | None = None  # ours: the whole arena both ways at once, on its own pages
+    link_bytes: int | None = None  # ours: bytes the last step copied host -> device
     added_s: float | None = None
 
 
@@ -87,6 +91,17 @@ def _adamw(fused: bool) -> Callable[[list[torch.nn.Parameter]], torch.optim.Opti
 
 def _wrapper(make_inner: Callable[..., Any], chunk: float, mode: str = "none") -> Callable[..., Any]:
     return lambda ps: ChunkedOffloadOptimizer(make_inner(ps), chunk_size_mb=chunk, master_weights=mode)
+
+
+def _budget(make_inner: Callable[..., Any], chunk: float, share: float) -> Callable[..., Any]:
+    """The wrapper with a GPU budget of its staging window plus ``share`` of the state's bytes."""
+
+    def make(ps: list[torch.nn.Parameter]) -> ChunkedOffloadOptimizer:
+        plan = ChunkedOffloadOptimizer(make_inner(ps), chunk_size_mb=chunk).plan  # everything offloaded
+        budget = plan.window_bound_nbytes + share * plan.host_nbytes
+        return ChunkedOffloadOptimizer(make_inner(ps), chunk_size_mb=chunk, gpu_budget_mb=budget / MiB)
+
+    return make
 
 
 def _torchao(ps: list[torch.nn.Parameter]) -> Any:
@@ -139,7 +154,13 @@ def variants(name: str, gpu: bool, chunks: list[float], master_chunk: float, rep
             if gpu:
                 out.append(Variant("torchao-CPUOffloadOptimizer", _torchao, 8, exact_expected=False))
         return out
-    raise ValueError(f"unknown workload {name!r}; choose from adamw, adamw-bf16-masters, muon, peers")
+    if name == "budget":
+        shares = (0.0, 0.25, 0.5, 0.75, 1.0)
+        return [Variant("resident", adamw, reference=True)] + [
+            Variant(f"budget-{share:.0%}-resident", _budget(adamw, master_chunk, share), 8 * (1 - share) or None)
+            for share in shares
+        ]
+    raise ValueError(f"unknown workload {name!r}; choose from adamw, adamw-bf16-masters, muon, peers, budget")
 
 
 def run_variant(
@@ -206,7 +227,8 @@ def bench_workload(
             exact = ("yes" if same else "NO") if v.exact_expected else f"max|d| {diff:.1e}"
         bound = opt.plan.window_bound_nbytes if isinstance(opt, ChunkedOffloadOptimizer) else None
         floor = numel * v.floor_bytes / duplex if v.floor_bytes else None
-        rows.append(Row(name, v.name, stats, floor, first_peak, peak, bound, exact, build_s, arena_floor))
+        moved = opt.stats.h2d_bytes if isinstance(opt, ChunkedOffloadOptimizer) and opt.stats is not None else None
+        rows.append(Row(name, v.name, stats, floor, first_peak, peak, bound, exact, build_s, arena_floor, moved))
         print(f"#   {v.name}: {stats.median:.4f} s, exact {exact}", flush=True)
         del opt
         gc.collect()
@@ -226,6 +248,8 @@ def record_row(r: Row, rec: Recorder) -> None:
     rec.add(r.workload, r.variant, "build_s", r.build_s)
     if r.floor_s:
         rec.add(r.workload, r.variant, "x_duplex_floor", r.stats.median / r.floor_s)
+    if r.link_bytes is not None:
+        rec.add(r.workload, r.variant, "h2d_GB", r.link_bytes / 1e9)
     if r.arena_floor_s:
         rec.add(r.workload, r.variant, "arena_floor_s", r.arena_floor_s)
         rec.add(r.workload, r.variant, "x_arena_floor", r.stats.median / r.arena_floor_s)
@@ -244,7 +268,7 @@ def main() -> int:
     parser.add_argument("--dim", type=int, default=None, help="square matrix size (default 4096 GPU, 512 CPU)")
     parser.add_argument("--chunks-mb", default=None, help="chunk sizes for the adamw workload")
     parser.add_argument("--master-chunk-mb", type=float, default=256.0, help="chunk size for the other workloads")
-    parser.add_argument("--workloads", default=None, help="default: all on a GPU; adamw, masters and peers on a CPU")
+    parser.add_argument("--workloads", default=None, help="default: all on a GPU; all but muon on a CPU")
     parser.add_argument("--repeat", type=int, default=2, help="runs of the masters workload, to show the spread")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
@@ -260,7 +284,7 @@ def main() -> int:
         args.master_chunk_mb = min(args.master_chunk_mb, 4.0)
         args.repeat = 1
     # Muon's Newton-Schulz runs in bf16, which a CPU without bf16 matrix units does slowly: GPU only by default.
-    default = "adamw,adamw-bf16-masters,muon,peers" if gpu else "adamw,adamw-bf16-masters,peers"
+    default = "adamw,adamw-bf16-masters,muon,peers,budget" if gpu else "adamw,adamw-bf16-masters,peers,budget"
     names = (args.workloads or default).split(",")
 
     rec = Recorder(device)
@@ -328,6 +352,12 @@ def _summaries(rows: list[Row]) -> None:
     fp32, rem = med("adamw-bf16-masters", "chunked-256MB-fp32"), med("adamw-bf16-masters", "chunked-256MB-remainder")
     if fp32 and rem:
         print(f"# masters: remainder / fp32 step time = {min(rem) / min(fp32):.3f}")
+    budget = [r for r in rows if r.workload == "budget" and r.variant.startswith("budget")]
+    if budget:
+        listed = ", ".join(
+            f"{r.variant.split('-')[1]} {r.stats.median:.4f} s ({(r.link_bytes or 0) / 1e9:.3f} GB H2D)" for r in budget
+        )
+        print(f"# budget, step time by resident share: {listed}")
     peers = {r.variant.split("-")[0]: r.added_s for r in rows if r.workload == "peers" and r.added_s is not None}
     if "chunked" in peers and "torchao" in peers and peers["chunked"]:
         print(f"# peers: time added per iteration, torchao / ours = {peers['torchao'] / peers['chunked']:.2f}x")

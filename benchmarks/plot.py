@@ -1,7 +1,7 @@
 """Plot benchmark CSVs into PNGs under docs/.
 
 Command:  python3 benchmarks/plot.py benchmarks/results/bench_step_h200.csv [docs/]
-          python3 benchmarks/plot.py benchmarks/results/bench_train_h200.csv [docs/]
+          python3 benchmarks/plot.py benchmarks/results/bench_train_h200x2.csv [docs/]
           python3 benchmarks/plot.py benchmarks/results/bench_capacity_h200.csv [docs/]
 Needs matplotlib (the `bench` extra). Reads both the current CSV layout (median, p20, p80) and the first one
 (value). Draws:
@@ -117,6 +117,7 @@ def main() -> None:
             tokens = xs
         ax.axhline(floor_s, color="k", linestyle="--", label="step transfer floor")
         ax.axhline(0.5 * floor_s, color="r", linewidth=0.8, linestyle=":", label="0.5 x floor (target, overlap)")
+        ax.axhline(0.25 * floor_s, color="m", linewidth=0.8, linestyle=":", label="0.25 x floor (target, backward)")
         ax.set_xscale("log", base=2)
         ax.set_xticks(tokens, [str(t) for t in tokens])
         ax.set_xlabel("tokens per iteration")
