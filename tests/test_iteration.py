@@ -514,3 +514,55 @@ def test_construction_logs_the_plan_and_each_step_logs_a_debug_line(caplog: pyte
         r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and r.getMessage().startswith("step:")
     ]
     assert len(steps) == 2 and "MiB H2D" in steps[1]
+
+
+class _MatmulMomentum(torch.optim.Optimizer):
+    """Momentum through a matmul: autocast would run it in bf16, so it shows whether a step ran under autocast."""
+
+    def __init__(self, params: Any, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "buf" not in state:
+                    state["buf"] = torch.zeros_like(p)
+                eye = torch.eye(p.shape[-1], dtype=p.dtype)
+                state["buf"].mul_(0.9).add_(p.grad @ eye)
+                p.add_(state["buf"], alpha=-group["lr"])
+        return None
+
+
+@pytest.mark.parametrize("context", ["autocast", "inference_mode", "no_grad"])
+def test_deferred_chunks_step_as_inside_step_whatever_the_forward_runs_under(context: str) -> None:
+    """An evaluation or autocast forward right after step() runs deferred chunks: they see step()'s own context."""
+    import warnings
+
+    ref_params, params = make_params([(16, 16)] * 12), make_params([(16, 16)] * 12)
+    ref = _MatmulMomentum(ref_params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the generic adapter says it probed the state layout
+        opt = ChunkedOffloadOptimizer(_MatmulMomentum(params), chunk_size_mb=2 * _KIB, overlap=True)
+    chain = Chain(params)
+    opt.attach(chain)
+    run_steps(ref, ref_params, 5)
+    run_steps(opt, params, 2)
+    for step in range(2, 5):
+        set_grads(params, make_grads(params, step))
+        opt.step()
+        opt.zero_grad()
+        assert opt._schedule is not None and opt._schedule.deferred is not None
+        if context == "autocast":
+            ctx: Any = torch.autocast("cpu", dtype=torch.bfloat16)
+        else:
+            ctx = torch.inference_mode() if context == "inference_mode" else torch.no_grad()
+        with ctx:
+            chain()
+        assert opt._schedule.deferred is None
+    opt.synchronize()
+    for a, b in zip(ref_params, params, strict=True):
+        assert_equal(a, b)

@@ -501,7 +501,8 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
                     param.grad = grad  # the grad of the step, which the caller may have let go since
         self._binding.stepping = True
         try:
-            with counters.deferred():
+            # As inside step(): a forward's autocast must not change the inner's arithmetic, nor its grad mode ours.
+            with torch.no_grad(), torch.autocast(self.device.type, enabled=False), counters.deferred():
                 schedule.advance(until)
         finally:
             self._binding.stepping = False
