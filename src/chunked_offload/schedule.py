@@ -80,7 +80,8 @@ class StepSchedule:
     4. For each chunk ``i``: the H2D of chunk ``i + num_slots - 1`` starts; the compute stream waits for chunk
        ``i``'s H2D; the stepper runs the inner step on it as a transaction ([Note: Chunk transactions]); its
        write-back is enqueued on the D2H stream. From that moment the chunk is committed, and the gate marks its
-       params updated.
+       params updated. A deferring step stops after the first ``num_slots`` chunks; ``advance`` runs this loop
+       for the rest later ([Note: Deferred chunks]).
     5. Fresh tensors and the slots' memory go back to the allocator, recorded on the D2H stream.
     The waits between the streams are those of [Note: Two-slot staging] (staging.py), made in transfer.py.
 
