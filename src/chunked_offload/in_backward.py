@@ -133,16 +133,10 @@ class BackwardStep:
         try:
             matched, event = self._take_staged(chunk, slot)
             with schedule.gate.stepping():
-                if fresh:
-                    pending = schedule._step_fresh(chunk, slot, self.counters)
-                else:
-                    if not matched:
-                        event = schedule._stage(chunk, slot)
-                    pending = schedule._step_staged(chunk, slot, event, self.counters)
-                pending.committing = True
-                schedule.gate.mark_ready(
-                    chunk.params, schedule.engine.write_back(pending.slot, pending.pairs, pending.retain)
-                )
+                if not fresh and not matched:
+                    event = schedule._stage(chunk, slot)
+                pending = schedule._step_one(chunk, slot, fresh, event, self.counters)
+                schedule._commit(chunk, pending)
                 pending = None
             self._record_versions(chunk)
             self._done.append(chunk)

@@ -190,7 +190,6 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
 
         self._binding = StateBinding(before_home_write, self._adapter.is_offloaded)
         self._deferred_grads: dict[int, torch.Tensor | None] = {}  # the grads the deferred chunks step with
-        self._deferred_counters: GroupCounters | None = None
         self._layout: Layout | None = None
         self._schedule: StepSchedule | None = None
         self._offloaded = False
@@ -416,7 +415,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
                     record = self._require_schedule().run(chunks, counters, skip_staged=skip_staged, defer=defer)
                 finally:
                     counters.finish()
-                self._hold_deferred(counters)
+                self._hold_deferred()
         except BaseException:
             self._gate.join()  # the caller's stream goes on only after whatever the failed step enqueued
             raise
@@ -462,13 +461,12 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
             and not any(post_hooks)  # a post-hook expects the step done (an EMA of the weights)
         )
 
-    def _hold_deferred(self, counters: GroupCounters) -> None:
-        """After ``step()`` enqueued its first chunks: keep what the rest need, and let the gate enqueue them."""
+    def _hold_deferred(self) -> None:
+        """After ``step()`` enqueued its first chunks: keep the grads the rest need, and let the gate enqueue them."""
         run = self._require_schedule().deferred
         if run is None:
             return
         self._deferred_grads = {i: self._grad(i) for c in run.chunks[run.next :] for i in c.params}
-        self._deferred_counters = counters
         ref = weakref.ref(self)
 
         def advance(indices: list[int] | None) -> None:
@@ -480,9 +478,9 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
 
     def _advance_deferred(self, indices: list[int] | None) -> None:
         """Enqueue the deferred chunks that hold ``indices`` and the next ``num_slots`` after them (None: all)."""
-        schedule, counters = self._require_schedule(), self._deferred_counters
+        schedule = self._require_schedule()
         run = schedule.deferred
-        if run is None or counters is None:
+        if run is None:
             self._end_deferred()
             return
         until = None
@@ -502,7 +500,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         self._binding.stepping = True
         try:
             # As inside step(): a forward's autocast must not change the inner's arithmetic, nor its grad mode ours.
-            with torch.no_grad(), torch.autocast(self.device.type, enabled=False), counters.deferred():
+            with torch.no_grad(), torch.autocast(self.device.type, enabled=False), run.counters.deferred():
                 schedule.advance(until)
         finally:
             self._binding.stepping = False
@@ -513,7 +511,6 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
 
     def _end_deferred(self) -> None:
         self._deferred_grads = {}
-        self._deferred_counters = None
         self._gate.deferred = None
 
     # ------------------------------------------------------------------ step in backward

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -61,10 +62,11 @@ class _Run:
     position: int = -1  # the chunk being enqueued (for the failure note)
     committed: int = 0
     pending: _Pending | None = None
-    position_of: dict[int, int] = field(default_factory=dict)  # param index -> position of its chunk
 
-    def __post_init__(self) -> None:
-        self.position_of = {i: pos for pos, chunk in enumerate(self.chunks) for i in chunk.params}
+    @cached_property
+    def position_of(self) -> dict[int, int]:
+        """Param index -> position of its chunk (built once, when the step defers)."""
+        return {i: pos for pos, chunk in enumerate(self.chunks) for i in chunk.params}
 
 
 class StepSchedule:
@@ -175,15 +177,10 @@ class StepSchedule:
                     if ahead < len(chunks) and not fresh[ahead] and ahead not in events:
                         events[ahead] = self._stage(chunks[ahead], pool.slot_for(ahead))
                     slot = pool.slot_for(pos)
-                    if fresh[pos]:
-                        run.pending = self._step_fresh(chunk, slot, run.counters)
-                    else:
-                        if pos not in events:
-                            events[pos] = self._stage(chunk, slot)
-                        run.pending = self._step_staged(chunk, slot, events.pop(pos), run.counters)
-                    pending = run.pending
-                    pending.committing = True
-                    self.gate.mark_ready(chunk.params, engine.write_back(pending.slot, pending.pairs, pending.retain))
+                    if not fresh[pos] and pos not in events:
+                        events[pos] = self._stage(chunk, slot)
+                    run.pending = self._step_one(chunk, slot, fresh[pos], events.pop(pos, None), run.counters)
+                    self._commit(chunk, run.pending)
                     run.pending = None
                     run.committed += 1
                     run.next = pos + 1
@@ -278,6 +275,19 @@ class StepSchedule:
         if buffer is None:
             raise RuntimeError("the staging slots have no memory while a chunk is staged")
         return self.engine.stage_in(slot, [(buffer[:n], self._home_region(chunk, n))] if n else [])
+
+    def _step_one(
+        self, chunk: Chunk, slot: Slot, fresh: bool, h2d_event: torch.cuda.Event | None, counters: GroupCounters
+    ) -> _Pending:
+        """Step one chunk in ``slot``: a fresh one in memory of its own, a staged one after its H2D (started)."""
+        if fresh:
+            return self._step_fresh(chunk, slot, counters)
+        return self._step_staged(chunk, slot, h2d_event, counters)
+
+    def _commit(self, chunk: Chunk, pending: _Pending) -> None:
+        """Enqueue a stepped chunk's write-back: from here on it is committed, and its params count as updated."""
+        pending.committing = True
+        self.gate.mark_ready(chunk.params, self.engine.write_back(pending.slot, pending.pairs, pending.retain))
 
     def _step_staged(
         self, chunk: Chunk, slot: Slot, h2d_event: torch.cuda.Event | None, counters: GroupCounters
