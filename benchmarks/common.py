@@ -101,6 +101,28 @@ class Link:
     duplex: float  # bytes/s each way, both directions at once
 
 
+def at_once(device: torch.device, h2d: Callable[[], None], d2h: Callable[[], None]) -> Callable[[], None]:
+    """A call that runs ``h2d`` and ``d2h`` on two streams of their own at once, inside the caller's stream's order.
+
+    Both start after what the caller's stream has enqueued (the timing event), and the caller's stream waits for
+    both (the end event covers them).
+    """
+    streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
+
+    def both() -> None:
+        main = torch.cuda.current_stream(device)
+        for s in streams:
+            s.wait_stream(main)
+        with torch.cuda.stream(streams[0]):
+            h2d()
+        with torch.cuda.stream(streams[1]):
+            d2h()
+        for s in streams:
+            main.wait_stream(s)
+
+    return both
+
+
 def measure_link(device: torch.device, nbytes: int, iters: int = 5) -> Link:
     """Pinned host <-> device bandwidth in one direction and in both at once (two streams)."""
     pin = device.type == "cuda"
@@ -120,19 +142,7 @@ def measure_link(device: torch.device, nbytes: int, iters: int = 5) -> Link:
         t_h2d = statistics.median(time_calls(h2d, device, 1, iters))
         t_d2h = statistics.median(time_calls(d2h, device, 1, iters))
         return Link(nbytes / t_h2d, nbytes / t_d2h, nbytes / max(t_h2d, t_d2h))
-    streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
-
-    def both() -> None:
-        main = torch.cuda.current_stream(device)
-        for s in streams:
-            s.wait_stream(main)  # start both copies together, after the timing event
-        with torch.cuda.stream(streams[0]):
-            h2d()
-        with torch.cuda.stream(streams[1]):
-            d2h()
-        for s in streams:
-            main.wait_stream(s)  # the end event covers both copies
-
+    both = at_once(device, h2d, d2h)
     t_h2d = statistics.median(time_calls(h2d, device, 2, iters))
     t_d2h = statistics.median(time_calls(d2h, device, 2, iters))
     t_both = statistics.median(time_calls(both, device, 2, iters))
@@ -152,25 +162,19 @@ def arena_duplex_seconds(arena: HostArena, device: torch.device, piece: int = 25
         return 0.0
     size = min(piece, n)
     bufs = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2)]
-    streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
     starts = list(range(0, n, size))
 
-    def both() -> None:
-        main = torch.cuda.current_stream(device)
-        for s in streams:
-            s.wait_stream(main)
-        # The two directions walk the arena from opposite ends, as a step's H2D and D2H touch different chunks.
-        for lo, back in zip(starts, reversed(starts), strict=True):
-            with torch.cuda.stream(streams[0]):
-                m = min(size, n - lo)
-                bufs[0][:m].copy_(arena.region(lo, m), non_blocking=True)
-            with torch.cuda.stream(streams[1]):
-                m = min(size, n - back)
-                arena.region(back, m).copy_(bufs[1][:m], non_blocking=True)
-        for s in streams:
-            main.wait_stream(s)
+    def h2d() -> None:
+        for lo in starts:
+            m = min(size, n - lo)
+            bufs[0][:m].copy_(arena.region(lo, m), non_blocking=True)
 
-    return statistics.median(time_calls(both, device, 1, iters))
+    def d2h() -> None:
+        for lo in reversed(starts):  # from the other end, as a step's H2D and D2H touch different chunks
+            m = min(size, n - lo)
+            arena.region(lo, m).copy_(bufs[1][:m], non_blocking=True)
+
+    return statistics.median(time_calls(at_once(device, h2d, d2h), device, 1, iters))
 
 
 def make_matrices(
