@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -10,6 +11,11 @@ import torch
 # Odd shapes: a scalar-like vector, primes, a matrix wider than tall, one larger than the others.
 ODD_SHAPES: list[tuple[int, ...]] = [(7, 3), (101,), (33, 17), (5,), (64, 129), (1, 1), (3, 5, 7)]
 MATRIX_SHAPES: list[tuple[int, ...]] = [(7, 3), (33, 17), (64, 129), (1, 1), (40, 8)]
+
+# Set by scripts/gpu_check.sh --sanitize. Under compute-sanitizer every kernel and copy is instrumented (streams no
+# longer race as they do on the hardware), and the frames of each fused-optimizer call stay alive, holding the
+# caller's grads (docs/design.md, [Note: Slot memory between steps]). Tests marked `timing` skip there.
+UNDER_SANITIZER = os.environ.get("CHUNKED_OFFLOAD_UNDER_SANITIZER") == "1"
 
 
 def make_params(

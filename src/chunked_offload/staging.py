@@ -6,7 +6,22 @@ import enum
 
 import torch
 
-__all__ = ["Slot", "SlotState", "StagingPool"]
+__all__ = ["Slot", "SlotState", "StagingPool", "free_storage"]
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Hand ``t``'s device memory back to the allocator now, whatever else still references it.
+
+    Dropping the last reference is not enough: a view held elsewhere (a kept traceback's frames, a state tensor a
+    user read before ``offload()``) would keep the whole block alive. Emptying the storage frees it at once; every
+    view of it then fails on use ("data is not allocated yet") instead of pinning memory or reading a block the
+    allocator gave away. Streams recorded with ``record_stream`` still hold the block until their work is done.
+
+    Device memory only: the CPU allocator hands out a non-null pointer for zero bytes, so a view of an emptied CPU
+    storage would read out of bounds instead of failing. On the CPU the references are dropped as before.
+    """
+    if t.device.type != "cpu":
+        t.untyped_storage().resize_(0)
 
 
 class SlotState(enum.Enum):
@@ -66,8 +81,9 @@ class StagingPool:
     The slots take their memory from torch's caching allocator at the start of every step that stages a chunk and
     hand it back at the end (``record_stream`` on the D2H stream, then the buffers are dropped), so forward and
     backward can use it between steps. In steady state the allocator hands out cached blocks: no ``cudaMalloc``.
-    Views of a slot live for one step only; anything that still holds one after the step (a traceback) keeps its
-    block alive rather than reading memory the allocator gave away. Freshly taken memory may still be in use by
+    Views of a slot live for one step only: the release empties the buffers' storage (``free_storage``), so a view
+    still held after the step (by a kept traceback) neither pins the block nor reads memory the allocator gave away;
+    it fails on use. Freshly taken memory may still be in use by
     work queued on the compute stream before it was freed, so the first H2D into it waits for that stream
     (``needs_fence``).
 
@@ -114,6 +130,8 @@ class StagingPool:
                 # Without record_stream the allocator could give this block to the next forward while the D2H
                 # stream still reads the last chunk from it.
                 slot.buffer.record_stream(stream)
+            if slot.buffer is not None:
+                free_storage(slot.buffer)
             slot.buffer = None
             slot.retained.clear()
             slot.free_event = None

@@ -119,6 +119,7 @@ def _adam_keys(group: dict[str, Any]) -> list[str]:
     return ["exp_avg", "exp_avg_sq"]
 
 
+@pytest.mark.timing
 def test_transfers_overlap_compute() -> None:
     shapes = [(1024, 1024)] * 16
     timings = {}
@@ -301,6 +302,7 @@ def test_capturable_adamw_matches_unwrapped_on_gpu(impl: dict[str, bool]) -> Non
     assert all(opt.state[p]["step"].device.type == "cuda" for p in params)  # kept where capturable keeps it
 
 
+@pytest.mark.timing
 def test_memory_between_steps_returns_to_the_allocator() -> None:
     params = make_params([(2048, 2048)] * 8, torch.float32, "cuda")
     opt = ChunkedOffloadOptimizer(torch.optim.AdamW(params, lr=1e-2), chunk_size_mb=32)

@@ -112,6 +112,7 @@ def test_an_overlapped_step_raced_by_the_next_forward_stays_exact(
     assert min(overlapped[2]) < stats.chunks * SLEEP / 2e9
 
 
+@pytest.mark.timing
 def test_without_the_forward_gate_the_race_shows(monkeypatch: pytest.MonkeyPatch) -> None:
     """The mutation check: with no module waiting for its chunk, the slowed step is overtaken."""
     plain = _train(overlap=False, attach=False)

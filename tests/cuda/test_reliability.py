@@ -17,6 +17,7 @@ from chunked_offload.staging import SlotState
 from chunked_offload.stepping import ChunkStepper
 from chunked_offload.transfer import TransferEngine
 from reference import (
+    UNDER_SANITIZER,
     WRAPPER_CALLS,
     assert_equal,
     assert_runs_match,
@@ -106,6 +107,7 @@ def _race(monkeypatch: pytest.MonkeyPatch, where: str, mode: str) -> None:
         ("write-backs-before-state-dict", "d2h-then-read"),
     ],
 )
+@pytest.mark.timing
 def test_removing_a_wait_makes_its_race_test_fail(monkeypatch: pytest.MonkeyPatch, wait: str, where: str) -> None:
     if wait == "h2d-before-step":
 
@@ -171,12 +173,15 @@ def test_a_thousand_random_steps_and_calls_match_plain_and_leak_nothing() -> Non
     for a, b in zip(all_ref, all_params, strict=True):
         assert_equal(a, b)
     assert_states_equal(ref, all_ref, opt, all_params)
+    if UNDER_SANITIZER:
+        return  # the tool keeps every step's grads alive (see reference.UNDER_SANITIZER); the sequence still ran
     allocated, reserved, pinned = zip(*samples, strict=True)
     assert max(allocated) - min(allocated) <= 1 * MiB, allocated
     assert max(reserved) - min(reserved) <= 64 * MiB, reserved
     assert len(set(pinned)) == 1, pinned
 
 
+@pytest.mark.timing
 def test_offload_reload_cycles_leave_memory_flat() -> None:
     params = make_params(SHAPES, torch.float32, "cuda")
     opt = ChunkedOffloadOptimizer(torch.optim.AdamW(params, lr=1e-2), chunk_size_mb=8, offload_fraction=0.5)
@@ -199,6 +204,7 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@pytest.mark.timing
 def test_fifty_wrappers_return_their_host_arena() -> None:
     gc.collect()
     pinned0, rss0 = registered_bytes(), _rss()
@@ -211,6 +217,52 @@ def test_fifty_wrappers_return_their_host_arena() -> None:
         assert registered_bytes() == pinned0  # dropped with the wrapper: reference counting, no GC cycle
     gc.collect()
     assert _rss() - rss0 <= 300 * MiB, f"RSS grew by {(_rss() - rss0) / MiB:.0f} MiB over 50 wrappers"
+
+
+def test_views_held_past_a_step_or_an_offload_do_not_pin_device_memory() -> None:
+    """A kept traceback holds the views the inner optimizer stepped (slots, resident state); both are freed anyway.
+
+    Under compute-sanitizer every step's frames stay alive this way; in a notebook, a failed step's traceback does.
+    """
+    held: list[torch.Tensor] = []
+
+    def hold(inner: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        for group in inner.param_groups:
+            held.extend(v for p in group["params"] for v in inner.state.get(p, {}).values() if v.dim() > 0)
+
+    ref_params = make_params([(2048, 2048)] * 8, torch.float32, "cuda")
+    params = make_params([(2048, 2048)] * 8, torch.float32, "cuda")
+    ref = torch.optim.AdamW(ref_params, lr=1e-3, fused=True)
+    inner = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    opt = ChunkedOffloadOptimizer(inner, chunk_size_mb=16, gpu_budget_mb=2 * 48 + 4 * 32 + 1)
+    resident = opt.plan.resident_nbytes
+    assert resident >= 4 * 32 * MiB and opt.plan.chunks
+    run_steps(ref, ref_params, 3)
+    run_steps(opt, params, 1)
+
+    def settled() -> int:
+        opt.synchronize()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return torch.cuda.memory_allocated()
+
+    before = settled()
+    inner.register_step_pre_hook(hold)
+    run_steps(opt, params, 1, first_step=1)
+    staged = [t for t in held if t.untyped_storage().nbytes() == 0]
+    assert len(staged) == 2 * (8 - 4), len(staged)  # the offloaded params' exp_avg and exp_avg_sq, in the slots
+    assert settled() == before  # the slots went back although views of them are held
+    opt.offload()
+    assert before - settled() >= resident  # and so did the resident state
+    assert all(t.untyped_storage().nbytes() == 0 for t in held)
+    with pytest.raises(RuntimeError, match="not allocated"):
+        held[0].add_(1)  # a stale view fails on use instead of reading memory the allocator gave away
+    opt.reload()
+    run_steps(opt, params, 1, first_step=2)
+    opt.synchronize()
+    for a, b in zip(ref_params, params, strict=True):
+        assert_equal(a, b)
+    assert_states_equal(ref, ref_params, opt, params)
 
 
 @pytest.mark.parametrize("stage", ["slots", "fresh-state"])
