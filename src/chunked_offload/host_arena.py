@@ -124,6 +124,9 @@ def _unregister(ptrs: list[tuple[int, int]], buffer: torch.Tensor) -> None:
     del buffer
 
 
+_CUDA_MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost: page-locked host memory, allocated or registered
+
+
 def is_page_locked(t: torch.Tensor) -> bool:
     """Whether the CUDA driver treats ``t``'s memory as page-locked.
 
@@ -132,13 +135,14 @@ def is_page_locked(t: torch.Tensor) -> bool:
     """
     if t.device.type != "cpu" or not torch.cuda.is_available():
         return False
-    cudart = _libcudart()
-    flags = ctypes.c_uint(0)
-    locked = int(cudart.cudaHostGetFlags(ctypes.byref(flags), ctypes.c_void_p(t.data_ptr()))) == 0
-    # Without this the runtime keeps cudaErrorInvalidValue as its last error, and torch's next kernel launch
-    # check reports it as if that kernel had failed.
-    cudart.cudaGetLastError()
-    return locked
+    # cudaPointerAttributes starts with its cudaMemoryType; the buffer is larger than any version of the struct.
+    # Unlike cudaHostGetFlags, this succeeds on pageable memory (type 0), so no API error is raised and cleared
+    # (compute-sanitizer reports each one).
+    attributes = (ctypes.c_int * 64)()
+    err = int(_libcudart().cudaPointerGetAttributes(ctypes.byref(attributes), ctypes.c_void_p(t.data_ptr())))
+    if err != 0:
+        raise RuntimeError(f"cudaPointerGetAttributes failed with error {err} for a host tensor at {t.data_ptr():#x}")
+    return attributes[0] == _CUDA_MEMORY_TYPE_HOST
 
 
 def _libcudart() -> ctypes.CDLL:

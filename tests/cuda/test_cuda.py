@@ -74,6 +74,7 @@ def _window_case(mode: str) -> tuple[ChunkedOffloadOptimizer, list[torch.nn.Para
     return ChunkedOffloadOptimizer(inner, chunk_size_mb=64, master_weights=mode), params
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("mode", ["none", "fp32", "remainder"])
 def test_step_window_is_bounded(mode: str) -> None:
     opt, params = _window_case(mode)

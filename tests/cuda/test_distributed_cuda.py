@@ -11,6 +11,7 @@ from test_distributed import _free_port
 pytestmark = pytest.mark.cuda
 
 
+@pytest.mark.timing
 def test_fsdp2_on_one_gpu_matches_unwrapped_within_the_window() -> None:
     with mp.Manager() as manager:
         result = manager.dict()

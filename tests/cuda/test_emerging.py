@@ -57,6 +57,7 @@ def _llama_like(seed: int) -> tuple[list[torch.nn.Parameter], list[torch.nn.Para
     return matrices, others
 
 
+@pytest.mark.timing
 def test_muon_and_adamw_wrappers_share_one_window() -> None:
     ref_m, ref_o = _llama_like(0)
     mat, oth = _llama_like(0)

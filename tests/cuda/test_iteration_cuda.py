@@ -11,7 +11,7 @@ import torch
 
 from chunked_offload import ChunkedOffloadOptimizer
 from chunked_offload.stepping import ChunkStepper
-from reference import assert_equal, assert_states_equal, make_params, run_steps
+from reference import UNDER_SANITIZER, assert_equal, assert_states_equal, make_params, run_steps
 
 pytestmark = pytest.mark.cuda
 MiB = 2**20
@@ -108,8 +108,9 @@ def test_an_overlapped_step_raced_by_the_next_forward_stays_exact(
     _assert_models_equal(plain, overlapped)
     stats = overlapped[1].stats
     assert stats is not None and stats.exposed_seconds is None and stats.chunks >= 8
-    # The step returned long before its slowed chunks ran: the host did not wait for them.
-    assert min(overlapped[2]) < stats.chunks * SLEEP / 2e9
+    # The step returned long before its slowed chunks ran: the host did not wait for them (the sanitizer's
+    # instrumented launches make the host wait).
+    assert UNDER_SANITIZER or min(overlapped[2]) < stats.chunks * SLEEP / 2e9
 
 
 @pytest.mark.timing

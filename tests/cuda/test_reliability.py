@@ -219,22 +219,25 @@ def test_fifty_wrappers_return_their_host_arena() -> None:
     assert _rss() - rss0 <= 300 * MiB, f"RSS grew by {(_rss() - rss0) / MiB:.0f} MiB over 50 wrappers"
 
 
-def test_views_held_past_a_step_or_an_offload_do_not_pin_device_memory() -> None:
+def test_views_held_past_a_step_or_an_offload_do_not_pin_device_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """A kept traceback holds the views the inner optimizer stepped (slots, resident state); both are freed anyway.
 
     Under compute-sanitizer every step's frames stay alive this way; in a notebook, a failed step's traceback does.
     """
     held: list[torch.Tensor] = []
+    step_chunk = ChunkStepper._narrowed_step
 
-    def hold(inner: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for group in inner.param_groups:
-            held.extend(v for p in group["params"] for v in inner.state.get(p, {}).values() if v.dim() > 0)
+    def holding(self: ChunkStepper, chunk: Any, infos: Any, txn: Any) -> None:
+        # What a kept frame of the inner step would hold: the state views each chunk is stepped on.
+        held.extend(v for info in infos for v in self.inner.state.get(info.param, {}).values() if v.dim() > 0)
+        step_chunk(self, chunk, infos, txn)
 
     ref_params = make_params([(2048, 2048)] * 8, torch.float32, "cuda")
     params = make_params([(2048, 2048)] * 8, torch.float32, "cuda")
     ref = torch.optim.AdamW(ref_params, lr=1e-3, fused=True)
-    inner = torch.optim.AdamW(params, lr=1e-3, fused=True)
-    opt = ChunkedOffloadOptimizer(inner, chunk_size_mb=16, gpu_budget_mb=2 * 48 + 4 * 32 + 1)
+    opt = ChunkedOffloadOptimizer(
+        torch.optim.AdamW(params, lr=1e-3, fused=True), chunk_size_mb=16, gpu_budget_mb=2 * 48 + 4 * 32 + 1
+    )
     resident = opt.plan.resident_nbytes
     assert resident >= 4 * 32 * MiB and opt.plan.chunks
     run_steps(ref, ref_params, 3)
@@ -247,8 +250,9 @@ def test_views_held_past_a_step_or_an_offload_do_not_pin_device_memory() -> None
         return torch.cuda.memory_allocated()
 
     before = settled()
-    inner.register_step_pre_hook(hold)
+    monkeypatch.setattr(ChunkStepper, "_narrowed_step", holding)
     run_steps(opt, params, 1, first_step=1)
+    monkeypatch.undo()
     staged = [t for t in held if t.untyped_storage().nbytes() == 0]
     assert len(staged) == 2 * (8 - 4), len(staged)  # the offloaded params' exp_avg and exp_avg_sq, in the slots
     assert settled() == before  # the slots went back although views of them are held
@@ -256,7 +260,7 @@ def test_views_held_past_a_step_or_an_offload_do_not_pin_device_memory() -> None
     assert before - settled() >= resident  # and so did the resident state
     assert all(t.untyped_storage().nbytes() == 0 for t in held)
     with pytest.raises(RuntimeError, match="not allocated"):
-        held[0].add_(1)  # a stale view fails on use instead of reading memory the allocator gave away
+        held[0].data_ptr()  # a stale view fails on use (every kernel asks this) instead of reading reused memory
     opt.reload()
     run_steps(opt, params, 1, first_step=2)
     opt.synchronize()
