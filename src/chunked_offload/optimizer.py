@@ -48,7 +48,7 @@ from .masters import (
 from .overlap import AttachHandle, StepGate
 from .planner import Chunk, ChunkPlan, Role
 from .schedule import StepSchedule
-from .staging import StagingPool, free_storage
+from .staging import StagingPool
 from .state_table import StateBinding, StateTable, bind
 from .stepping import ChunkStepper
 from .telemetry import StepRecord, StepStats
@@ -780,8 +780,8 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         ``wait()`` blocks until the copy has landed; with ``non_blocking=False`` (default) that has happened on
         return. A second call is a no-op that returns the first call's handle.
 
-        The memory is freed even if something still references it: a device state tensor read from ``opt.state``
-        before the call fails on use afterwards ("data is not allocated yet"); read ``opt.state`` again.
+        A state tensor read from ``opt.state`` before the call keeps its device memory while it is referenced, as
+        any tensor does; read ``opt.state`` again after the call.
         """
         self._gate.join()
         self._sync()
@@ -794,9 +794,6 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
             host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=self._pin)
             handle = self._engine.move(host, flat)
             self._rehome_resident(host)
-            # Freed even while something still holds an old view of it (a kept traceback, a state tensor read
-            # earlier): that view now fails on use instead of keeping the whole resident state on the device.
-            free_storage(flat)
         self._offloaded = True
         self._last_move = handle.wait() if not non_blocking else handle
         return handle

@@ -12,10 +12,10 @@ __all__ = ["Slot", "SlotState", "StagingPool", "free_storage"]
 def free_storage(t: torch.Tensor) -> None:
     """Hand ``t``'s device memory back to the allocator now, whatever else still references it.
 
-    Dropping the last reference is not enough: a view held elsewhere (a kept traceback's frames, a state tensor a
-    user read before ``offload()``) would keep the whole block alive. Emptying the storage frees it at once; every
-    view of it then fails on use ("data is not allocated yet") instead of pinning memory or reading a block the
-    allocator gave away. Streams recorded with ``record_stream`` still hold the block until their work is done.
+    Dropping the last reference is not enough: a view held elsewhere (the frames of a kept traceback) would keep the
+    whole block alive. Emptying the storage frees it at once. The views are left with an empty storage: never use
+    one again (only the wrapper's own step code and frames it left behind hold slot views). Streams recorded with
+    ``record_stream`` still hold the block until their work is done.
 
     Device memory only: the CPU allocator hands out a non-null pointer for zero bytes, so a view of an emptied CPU
     storage would read out of bounds instead of failing. On the CPU the references are dropped as before.
@@ -82,10 +82,9 @@ class StagingPool:
     hand it back at the end (``record_stream`` on the D2H stream, then the buffers are dropped), so forward and
     backward can use it between steps. In steady state the allocator hands out cached blocks: no ``cudaMalloc``.
     Views of a slot live for one step only: the release empties the buffers' storage (``free_storage``), so a view
-    still held after the step (by a kept traceback) neither pins the block nor reads memory the allocator gave away;
-    it fails on use. Freshly taken memory may still be in use by
-    work queued on the compute stream before it was freed, so the first H2D into it waits for that stream
-    (``needs_fence``).
+    still held after the step (by a kept traceback's frames) does not pin the block. Freshly taken memory may still
+    be in use by work queued on the compute stream before it was freed, so the first H2D into it waits for that
+    stream (``needs_fence``).
 
     Args:
         num_slots: number of slots (>= 1).

@@ -143,6 +143,7 @@ def test_state_dict_and_offload_after_an_overlapped_step_wait_for_it(monkeypatch
             assert_equal(value, got["state"][pid][key], f"{pid}/{key}")
 
 
+@pytest.mark.timing
 def test_non_blocking_offload_frees_the_resident_state_at_once_and_reload_is_exact() -> None:
     ref_params = make_params([(2048, 2048)] * 8, torch.float32, "cuda")
     params = make_params([(2048, 2048)] * 8, torch.float32, "cuda")

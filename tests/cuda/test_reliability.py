@@ -219,9 +219,9 @@ def test_fifty_wrappers_return_their_host_arena() -> None:
     assert _rss() - rss0 <= 300 * MiB, f"RSS grew by {(_rss() - rss0) / MiB:.0f} MiB over 50 wrappers"
 
 
-def test_views_held_past_a_step_or_an_offload_do_not_pin_device_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Views held after the step (a kept traceback's frames) or across offload() (a state tensor read earlier) pin
-    no device memory, and fail on use instead of reading memory the allocator gave away.
+@pytest.mark.timing
+def test_slot_views_held_past_the_step_do_not_pin_its_slots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The frames of a kept traceback hold the views each chunk stepped on; the slots go back to the allocator anyway.
 
     Under compute-sanitizer every step's frames stay alive this way; in a notebook, a failed step's traceback does.
     """
@@ -257,15 +257,6 @@ def test_views_held_past_a_step_or_an_offload_do_not_pin_device_memory(monkeypat
     # Every chunk steps in a slot (a resident one arrives by a device copy): all 8 params' exp_avg and exp_avg_sq.
     assert len(held) == 2 * 8 and all(t.untyped_storage().nbytes() == 0 for t in held)
     assert settled() == before  # the slots went back although views of them are held
-    read = [opt.state[p][key] for p in params for key in ("exp_avg", "exp_avg_sq")]
-    on_device = [t for t in read if t.is_cuda]
-    assert len(on_device) == 2 * 4  # the resident params' state: views of the resident memory
-    opt.offload()
-    assert before - settled() >= resident  # freed although the user still holds views of it
-    assert all(t.untyped_storage().nbytes() == 0 for t in on_device)
-    with pytest.raises(RuntimeError, match="not allocated"):
-        on_device[0].data_ptr()  # a stale view fails on use (every kernel asks this) instead of reading reused memory
-    opt.reload()
     run_steps(opt, params, 1, first_step=2)
     opt.synchronize()
     for a, b in zip(ref_params, params, strict=True):
