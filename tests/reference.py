@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -138,3 +139,30 @@ def assert_runs_match(
     for i, (a, b) in enumerate(zip(ref_params, params, strict=True)):
         assert_equal(a, b, f"param {i}")
     assert_states_equal(ref, ref_params, opt, params)
+
+
+def partly_resident_adamw() -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter], torch.optim.Optimizer, Any]:
+    """Eight 2048² fp32 params twice on the GPU: fused AdamW over the first copy, and the wrapper over fused AdamW on
+    the second, 16 MB chunks and a budget of two 48 MiB slots plus four params' 32 MiB of state (the first four
+    params' state resident, the rest staged)."""
+    from chunked_offload import ChunkedOffloadOptimizer
+
+    ref_params = make_params([(2048, 2048)] * 8, torch.float32, "cuda")
+    params = make_params([(2048, 2048)] * 8, torch.float32, "cuda")
+    ref = torch.optim.AdamW(ref_params, lr=1e-3, fused=True)
+    opt = ChunkedOffloadOptimizer(
+        torch.optim.AdamW(params, lr=1e-3, fused=True), chunk_size_mb=16, gpu_budget_mb=2 * 48 + 4 * 32 + 1
+    )
+    return ref_params, params, ref, opt
+
+
+def settled_cuda_memory() -> int:
+    """``memory_allocated()`` once queued work has run and freed blocks are settled.
+
+    empty_cache() makes the allocator process the events of blocks freed with record_stream; gc.collect() frees
+    tensors of earlier tests held in reference cycles.
+    """
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated()

@@ -6,7 +6,7 @@ import enum
 
 import torch
 
-__all__ = ["Slot", "SlotState", "StagingPool", "free_storage"]
+__all__ = ["Slot", "SlotState", "StagingPool"]
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -79,7 +79,7 @@ class StagingPool:
 
     [Note: Slot memory between steps]
     The slots take their memory from torch's caching allocator at the start of every step that stages a chunk and
-    hand it back at the end (``record_stream`` on the D2H stream, then the buffers are dropped), so forward and
+    hand it back at the end (``record_stream`` on the D2H stream, then the buffers' storage is emptied), so forward and
     backward can use it between steps. In steady state the allocator hands out cached blocks: no ``cudaMalloc``.
     Views of a slot live for one step only: the release empties the buffers' storage (``free_storage``), so a view
     still held after the step (by a kept traceback's frames) does not pin the block. Freshly taken memory may still
@@ -125,11 +125,11 @@ class StagingPool:
         Every slot returns to FREE. The caller has ordered ``stream`` after every copy that touches the slots.
         """
         for slot in self.slots:
-            if slot.buffer is not None and stream is not None:
-                # Without record_stream the allocator could give this block to the next forward while the D2H
-                # stream still reads the last chunk from it.
-                slot.buffer.record_stream(stream)
             if slot.buffer is not None:
+                if stream is not None:
+                    # Without record_stream the allocator could give this block to the next forward while the D2H
+                    # stream still reads the last chunk from it.
+                    slot.buffer.record_stream(stream)
                 free_storage(slot.buffer)
             slot.buffer = None
             slot.retained.clear()

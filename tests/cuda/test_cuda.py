@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import time
 from typing import Any
 
@@ -21,6 +20,7 @@ from reference import (
     make_params,
     run_master_reference,
     run_steps,
+    settled_cuda_memory,
 )
 
 pytestmark = pytest.mark.cuda
@@ -310,19 +310,11 @@ def test_memory_between_steps_returns_to_the_allocator() -> None:
     for p in params:
         p.grad = torch.ones_like(p)
 
-    def settled() -> int:
-        # Blocks freed with record_stream count as allocated until the allocator processes their events, which
-        # empty_cache() does; tensors of earlier tests held in reference cycles are freed by gc.collect().
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        return torch.cuda.memory_allocated()
-
-    before = settled()
+    before = settled_cuda_memory()
     for _ in range(3):
         opt.step()
         opt.synchronize()
-        assert settled() == before  # non-fused AdamW keeps its step counters on the host
+        assert settled_cuda_memory() == before  # non-fused AdamW keeps its step counters on the host
     # In a training loop the forward and backward between two steps let the last D2H land, so each step finds the
     # slots of the one before cached: no new cudaMalloc. (Back to back without a sync, the host can run steps ahead of
     # their D2H, and a step may then take a new generation of slots: 520 -> 620 MB measured on the H200.)

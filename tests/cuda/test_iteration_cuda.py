@@ -11,7 +11,14 @@ import torch
 
 from chunked_offload import ChunkedOffloadOptimizer
 from chunked_offload.stepping import ChunkStepper
-from reference import UNDER_SANITIZER, assert_equal, assert_states_equal, make_params, run_steps
+from reference import (
+    UNDER_SANITIZER,
+    assert_equal,
+    assert_states_equal,
+    make_params,
+    partly_resident_adamw,
+    run_steps,
+)
 
 pytestmark = pytest.mark.cuda
 MiB = 2**20
@@ -145,12 +152,7 @@ def test_state_dict_and_offload_after_an_overlapped_step_wait_for_it(monkeypatch
 
 @pytest.mark.timing
 def test_non_blocking_offload_frees_the_resident_state_at_once_and_reload_is_exact() -> None:
-    ref_params = make_params([(2048, 2048)] * 8, torch.float32, "cuda")
-    params = make_params([(2048, 2048)] * 8, torch.float32, "cuda")
-    ref = torch.optim.AdamW(ref_params, lr=1e-3, fused=True)
-    opt = ChunkedOffloadOptimizer(
-        torch.optim.AdamW(params, lr=1e-3, fused=True), chunk_size_mb=16, gpu_budget_mb=2 * 48 + 4 * 32 + 1
-    )
+    ref_params, params, ref, opt = partly_resident_adamw()
     resident = opt.plan.resident_nbytes
     assert resident >= 4 * 32 * MiB
     run_steps(ref, ref_params, 4)

@@ -24,7 +24,9 @@ from reference import (
     assert_states_equal,
     make_grads,
     make_params,
+    partly_resident_adamw,
     run_steps,
+    settled_cuda_memory,
 )
 
 pytestmark = pytest.mark.cuda
@@ -233,30 +235,19 @@ def test_slot_views_held_past_the_step_do_not_pin_its_slots(monkeypatch: pytest.
         held.extend(v for info in infos for v in self.inner.state.get(info.param, {}).values() if v.dim() > 0)
         step_chunk(self, chunk, infos, txn)
 
-    ref_params = make_params([(2048, 2048)] * 8, torch.float32, "cuda")
-    params = make_params([(2048, 2048)] * 8, torch.float32, "cuda")
-    ref = torch.optim.AdamW(ref_params, lr=1e-3, fused=True)
-    opt = ChunkedOffloadOptimizer(
-        torch.optim.AdamW(params, lr=1e-3, fused=True), chunk_size_mb=16, gpu_budget_mb=2 * 48 + 4 * 32 + 1
-    )
-    resident = opt.plan.resident_nbytes
-    assert resident >= 4 * 32 * MiB and opt.plan.chunks
+    ref_params, params, ref, opt = partly_resident_adamw()
+    assert opt.plan.resident_nbytes >= 4 * 32 * MiB and opt.plan.chunks
     run_steps(ref, ref_params, 3)
     run_steps(opt, params, 1)
-
-    def settled() -> int:
-        opt.synchronize()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        return torch.cuda.memory_allocated()
-
-    before = settled()
+    opt.synchronize()
+    before = settled_cuda_memory()
     monkeypatch.setattr(ChunkStepper, "_narrowed_step", holding)
     run_steps(opt, params, 1, first_step=1)
     monkeypatch.undo()
     # Every chunk steps in a slot (a resident one arrives by a device copy): all 8 params' exp_avg and exp_avg_sq.
     assert len(held) == 2 * 8 and all(t.untyped_storage().nbytes() == 0 for t in held)
-    assert settled() == before  # the slots went back although views of them are held
+    opt.synchronize()
+    assert settled_cuda_memory() == before  # the slots went back although views of them are held
     run_steps(opt, params, 1, first_step=2)
     opt.synchronize()
     for a, b in zip(ref_params, params, strict=True):
