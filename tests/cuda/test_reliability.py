@@ -265,8 +265,16 @@ def test_gpu_oom_mid_step_leaves_a_usable_wrapper(stage: str) -> None:
         assert_runs_match(ref, ref_params, opt, params, 2)
     for p in params:
         p.grad = torch.ones_like(p)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+    # The cap binds only on new segments. Earlier tests leave free blocks cached in segments still partly in use, and
+    # wrappers in reference cycles that a collection during the step would free: collect them, then occupy every
+    # cached free block a state tensor could use, so that the step's allocations must grow the pool.
+    settled_cuda_memory()
+    fillers = [
+        torch.empty(block["size"], dtype=torch.uint8, device="cuda")
+        for segment in torch.cuda.memory_snapshot()
+        for block in segment["blocks"]
+        if block["state"] == "inactive" and block["size"] >= MiB
+    ]
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_allocated() + 8 * MiB) / total)
     try:
@@ -274,6 +282,7 @@ def test_gpu_oom_mid_step_leaves_a_usable_wrapper(stage: str) -> None:
             opt.step()
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
+        del fillers
     assert not opt._pool.allocated
     opt.zero_grad()
     first = 0 if stage == "fresh-state" else 2
