@@ -62,13 +62,13 @@ if [ $sanitize -eq 1 ]; then
   # Tests marked `timing` skip there: instrumented streams do not race as the hardware does, and the tool keeps
   # each inner step's frames (and the grads they hold) alive. Under memcheck the tier takes longer than one device
   # call (measured at bfb2693: 58 tests in 530 s, the other 6 in 78 s), so each tool runs it as SANITIZE_SHARDS
-  # shards (default 2, round-robin over the collected tests), every tool and shard at once, spread round-robin over
-  # the visible GPUs: two processes per GPU on a two-GPU machine.
+  # shards (default 3, round-robin over the collected tests), every tool and shard at once, spread round-robin over
+  # the visible GPUs. On the one-GPU H200 (16 cores) the six processes took 466 s at most (0eb731e).
   ids="$out/sanitize_ids.txt"
   python3 -m pytest --collect-only -q -m cuda -p no:cacheprovider ${SANITIZE_FILES:-tests} 2>/dev/null \
     | grep '::' > "$ids"
   gpus=$(python3 -c "import torch; print(max(1, torch.cuda.device_count()))")
-  shards=${SANITIZE_SHARDS:-2} job=0 logs=()
+  shards=${SANITIZE_SHARDS:-3} job=0 logs=()
   for tool in ${SANITIZE_TOOLS:-memcheck synccheck}; do
     for ((shard = 0; shard < shards; shard++)); do
       log="$out/sanitizer_${tool}_${shard}of${shards}.log"
