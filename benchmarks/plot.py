@@ -1,10 +1,12 @@
 """Plot benchmark CSVs into PNGs under docs/.
 
-Command:  python3 benchmarks/plot.py benchmarks/results/bench_step_h200.csv [docs/]
+Command:  python3 benchmarks/plot.py benchmarks/results/bench_step_h200.csv [docs/] [--sha 0eb731e] [--only peers]
           python3 benchmarks/plot.py benchmarks/results/bench_train_h200x2.csv [docs/]
           python3 benchmarks/plot.py benchmarks/results/bench_capacity_h200.csv [docs/]
 Needs matplotlib (the `bench` extra). Reads both the current CSV layout (median, p20, p80) and the first one
-(value). Draws:
+(value). A CSV collects the rows of several runs: --sha keeps one commit's rows, otherwise the newest row of each
+measurement is drawn and the title names the commits of the rows read. --only draws some charts (by the part of
+their name after "bench_", e.g. step_peers, or a prefix such as step). Draws:
     bench_step_chunks.png  step time against chunk size, AdamW, with the duplex floor and full reload;
     bench_step_peers.png   the time each offloader adds to a resident AdamW iteration, side by side;
     bench_step_floor.png   every variant as a multiple of the duplex floor;
@@ -14,39 +16,50 @@ Needs matplotlib (the `bench` extra). Reads both the current CSV layout (median,
 
 from __future__ import annotations
 
+import argparse
 import csv
-import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 
-def load(src: Path) -> tuple[dict[tuple[str, str, str], float], dict[str, str]]:
-    values: dict[tuple[str, str, str], float] = {}
-    meta: dict[str, str] = {}
+def load(src: Path, sha: str | None = None) -> tuple[dict[tuple[str, str, str], float], str]:
+    """The newest value of each (workload, variant, metric), and a title naming the GPU, torch and the commits."""
+    rows: dict[tuple[str, str, str], dict[str, str]] = {}
     for r in csv.DictReader(src.open()):
-        values[(r["workload"], r["variant"], r["metric"])] = float(r.get("median") or r["value"])
-        meta = {"gpu": r["gpu"], "torch": r["torch"], "sha": r["sha"]}
-    return values, meta
+        if sha is None or r["sha"] == sha:
+            rows[(r["workload"], r["variant"], r["metric"])] = r
+    if not rows:
+        raise SystemExit(f"{src} has no rows" + (f" of commit {sha}" if sha else ""))
+    values = {key: float(r.get("median") or r["value"]) for key, r in rows.items()}
+    describe = {k: ", ".join(dict.fromkeys(r[k] for r in rows.values())) for k in ("gpu", "torch", "sha")}
+    plural = "s" if "," in describe["sha"] else ""
+    return values, f"{describe['gpu']}, torch {describe['torch']}, commit{plural} {describe['sha']}"
 
 
 def main() -> None:
-    src = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/bench_step_h200.csv")
-    out = Path(sys.argv[2] if len(sys.argv) > 2 else "docs")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("csv", nargs="?", type=Path, default=Path("benchmarks/results/bench_step_h200.csv"))
+    parser.add_argument("out", nargs="?", type=Path, default=Path("docs"))
+    parser.add_argument("--sha", help="draw only the rows of this commit (the CSV's sha column)")
+    parser.add_argument("--only", nargs="+", default=[""], help="draw only the charts whose name starts so")
+    args = parser.parse_args()
+    out: Path = args.out
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    values, meta = load(src)
-    title = f"{meta.get('gpu', '')}, torch {meta.get('torch', '')}, commit {meta.get('sha', '')}"
+    values, title = load(args.csv, args.sha)
     out.mkdir(parents=True, exist_ok=True)
 
     def save(fig: Any, name: str) -> None:
-        fig.suptitle(title, fontsize=9)
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        print(f"wrote {out / name}")
+        if any(name.removeprefix("bench_").startswith(prefix) for prefix in args.only):
+            fig.suptitle(title, fontsize=9)
+            fig.tight_layout()
+            fig.savefig(out / name, dpi=110)
+            print(f"wrote {out / name}")
+        plt.close(fig)
 
     chunks = sorted(
         (float(v.removeprefix("chunked-").removesuffix("MB")), values[(w, v, m)])
