@@ -31,7 +31,7 @@ import argparse
 import gc
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,6 +67,7 @@ class Variant:
     floor_bytes: float | None = None  # bytes moved each way per param, for the floor
     reference: bool = False
     exact_expected: bool = True
+    prepare: Callable[[list[torch.nn.Parameter]], None] | None = None  # before ``make``, outside its timing
 
 
 @dataclass
@@ -93,15 +94,30 @@ def _wrapper(make_inner: Callable[..., Any], chunk: float, mode: str = "none") -
     return lambda ps: ChunkedOffloadOptimizer(make_inner(ps), chunk_size_mb=chunk, master_weights=mode)
 
 
-def _budget(make_inner: Callable[..., Any], chunk: float, share: float) -> Callable[..., Any]:
-    """The wrapper with a GPU budget of its staging window plus ``share`` of the state's bytes."""
+def _budgets(make_inner: Callable[..., Any], chunk: float, shares: Sequence[float]) -> list[Variant]:
+    """The wrapper with a GPU budget of its staging window plus each share of the state's bytes.
 
-    def make(ps: list[torch.nn.Parameter]) -> ChunkedOffloadOptimizer:
-        plan = ChunkedOffloadOptimizer(make_inner(ps), chunk_size_mb=chunk).plan  # everything offloaded
-        budget = plan.window_bound_nbytes + share * plan.host_nbytes
-        return ChunkedOffloadOptimizer(make_inner(ps), chunk_size_mb=chunk, gpu_budget_mb=budget / MiB)
+    Both sizes come from the plan of a wrapper that offloads everything, built once for all shares (it pins a host
+    arena as large as the state) and before the first share's timed build.
+    """
+    sizes: dict[str, int] = {}
 
-    return make
+    def probe(ps: list[torch.nn.Parameter]) -> None:
+        if not sizes:
+            plan = ChunkedOffloadOptimizer(make_inner(ps), chunk_size_mb=chunk).plan
+            sizes.update(window=plan.window_bound_nbytes, state=plan.host_nbytes)
+
+    def wrapper(share: float) -> Callable[[list[torch.nn.Parameter]], ChunkedOffloadOptimizer]:
+        def make(ps: list[torch.nn.Parameter]) -> ChunkedOffloadOptimizer:
+            budget = sizes["window"] + share * sizes["state"]
+            return ChunkedOffloadOptimizer(make_inner(ps), chunk_size_mb=chunk, gpu_budget_mb=budget / MiB)
+
+        return make
+
+    return [
+        Variant(f"budget-{share:.0%}-resident", wrapper(share), 8 * (1 - share) or None, prepare=probe)
+        for share in shares
+    ]
 
 
 def _torchao(ps: list[torch.nn.Parameter]) -> Any:
@@ -155,11 +171,7 @@ def variants(name: str, gpu: bool, chunks: list[float], master_chunk: float, rep
                 out.append(Variant("torchao-CPUOffloadOptimizer", _torchao, 8, exact_expected=False))
         return out
     if name == "budget":
-        shares = (0.0, 0.25, 0.5, 0.75, 1.0)
-        return [Variant("resident", adamw, reference=True)] + [
-            Variant(f"budget-{share:.0%}-resident", _budget(adamw, master_chunk, share), 8 * (1 - share) or None)
-            for share in shares
-        ]
+        return [Variant("resident", adamw, reference=True)] + _budgets(adamw, master_chunk, (0.0, 0.25, 0.5, 0.75, 1.0))
     raise ValueError(f"unknown workload {name!r}; choose from adamw, adamw-bf16-masters, muon, peers, budget")
 
 
@@ -174,6 +186,8 @@ def run_variant(
     with torch.no_grad():
         for p, x in zip(params, init, strict=True):
             p.copy_(x)
+    if variant.prepare is not None:
+        variant.prepare(params)
     synchronize(device)
     t0 = time.perf_counter()
     opt = variant.make(params)
