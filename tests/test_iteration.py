@@ -155,6 +155,34 @@ def test_overlap_with_attach_matches_the_plain_loop(clip: bool) -> None:
     assert opt.stats is not None and opt.stats.exposed_seconds is not None  # on the CPU the step is synchronous
 
 
+def test_overlap_without_an_attached_model_warns_once_and_stays_exact() -> None:
+    from chunked_offload import ChunkedOffloadWarning
+
+    plain_model, plain = _train(overlap=False, attach=False, clip=False)
+    with pytest.warns(ChunkedOffloadWarning, match="without an attached model.*opt.attach") as record:
+        model, opt = _train(overlap=True, attach=False, clip=False)
+    assert sum(issubclass(w.category, ChunkedOffloadWarning) for w in record) == 1  # six steps, one warning
+    for (name, a), b in zip(plain_model.named_parameters(), model.parameters(), strict=True):
+        assert_equal(a, b, name)
+
+
+def test_an_attached_models_state_dict_joins_the_step() -> None:
+    model = _Net()
+    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap=True)
+    joined: list[int] = []
+    opt._gate.join = lambda: joined.append(1)  # type: ignore[method-assign]
+    handle = opt.attach(model)
+    model.state_dict()
+    assert joined, "state_dict() of an attached model did not join the step"
+    joined.clear()
+    model.load_state_dict(model.state_dict())
+    assert joined
+    handle.remove()
+    joined.clear()
+    model.state_dict()
+    assert not joined  # the hooks go with the handle
+
+
 def test_attach_hooks_every_module_with_params_once_and_can_be_removed() -> None:
     model = _Net()
     opt = ChunkedOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -14,6 +15,8 @@ from .masters import MasterMode
 from .state_table import StateTable
 
 __all__ = [
+    "ChunkedOffloadWarning",
+    "Notices",
     "check_inner",
     "check_master_mode",
     "check_not_wrapped",
@@ -22,6 +25,22 @@ __all__ = [
     "check_sharding",
     "common_device",
 ]
+
+
+class ChunkedOffloadWarning(UserWarning):
+    """A setting or call that does less than it says (``warnings.filterwarnings("ignore", category=...)``)."""
+
+
+class Notices:
+    """Warnings one wrapper gives at most once each, whatever the warnings filter."""
+
+    def __init__(self) -> None:
+        self._given: set[str] = set()
+
+    def warn(self, key: str, message: str) -> None:
+        if key not in self._given:
+            self._given.add(key)
+            warnings.warn(message, ChunkedOffloadWarning, stacklevel=3)
 
 
 def check_options(

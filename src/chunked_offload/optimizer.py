@@ -16,6 +16,7 @@ import torch.optim.optimizer as torch_optimizer
 from . import state_dict as _state_dict
 from .adapters import Adapter, GroupCounters, check_groups, resolve_adapter
 from .checks import (
+    Notices,
     check_inner,
     check_master_mode,
     check_not_wrapped,
@@ -195,6 +196,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         self._offloaded = False
         self._last_move = MoveHandle()
         self._last_step: StepRecord | None = None
+        self._notices = Notices()
         original_state = inner.state
         try:
             self._adopt_state()
@@ -423,6 +425,13 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
             self._binding.stepping = False
         record.overlapped = self._gate.stream is not None
         self._last_step = record
+        if self.overlap and not self._gate.attached:
+            self._notices.warn(
+                "overlap-unattached",
+                "overlap=True without an attached model: step() makes the caller's stream wait for the whole step, "
+                "so nothing overlaps it. Call opt.attach(model) so that each module's forward waits for its own params",
+            )
+            self._gate.join()  # no module waits for its own params: the next forward must wait for the whole step
         logger.debug(
             "step: %d of %d chunks, %.1f MiB H2D, %.1f MiB D2H, %.1f MiB D2D, window %.1f MiB",
             record.chunks, len(self.plan.all_chunks), record.h2d / _MIB, record.d2h / _MIB, record.d2d / _MIB,

@@ -167,13 +167,17 @@ class StepGate:
         def done(module: torch.nn.Module, args: Any, output: Any) -> None:
             self.flush()  # what no module of the forward asked for is enqueued before the backward can start
 
-        handles = [
-            module.register_forward_pre_hook(hook, prepend=True)
-            for module in model.modules()
-            if any(True for _ in module.parameters(recurse=False))
-        ]
+        def before_state_dict(module: torch.nn.Module, *args: Any) -> None:
+            self.join()  # the model's state dict holds the params: it is read (or saved) after the step's updates
+
+        with_params = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+        handles = [module.register_forward_pre_hook(hook, prepend=True) for module in with_params]
+        readers = []
+        for module in {id(m): m for m in [model, *with_params]}.values():
+            readers.append(module.register_state_dict_pre_hook(before_state_dict))
+            readers.append(module.register_load_state_dict_pre_hook(before_state_dict))
         self.attached += 1
-        return AttachHandle(handles, model.register_forward_hook(done), self)
+        return AttachHandle(handles, model.register_forward_hook(done), self, readers)
 
 
 class AttachHandle:
@@ -182,10 +186,11 @@ class AttachHandle:
     ``len()`` is the number of modules whose forward waits for its params.
     """
 
-    def __init__(self, handles: list[Any], done: Any, gate: StepGate) -> None:
+    def __init__(self, handles: list[Any], done: Any, gate: StepGate, readers: list[Any]) -> None:
         self._handles = handles
         self._done: Any = done  # the model's own forward hook, which enqueues what is left of a deferred step
         self._gate = gate
+        self._readers = readers  # state_dict / load_state_dict pre-hooks, which join the step
 
     def __len__(self) -> int:
         return len(self._handles)
@@ -196,6 +201,7 @@ class AttachHandle:
             self._gate.flush()  # nothing will ask for the deferred chunks any more
             self._done.remove()
             self._done = None
-        for h in self._handles:
+        for h in [*self._handles, *self._readers]:
             h.remove()
         self._handles.clear()
+        self._readers.clear()

@@ -122,13 +122,68 @@ def test_an_overlapped_step_raced_by_the_next_forward_stays_exact(
 
 @pytest.mark.timing
 def test_without_the_forward_gate_the_race_shows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The mutation check: with no module waiting for its chunk, the slowed step is overtaken."""
+    """The mutation check: with attached modules that do not wait for their chunks, the slowed step is overtaken."""
+    from chunked_offload.overlap import StepGate
+
     plain = _train(overlap=False, attach=False)
     with monkeypatch.context() as patch:
         _slow_chunks(patch)
-        ungated = _train(overlap=True, attach=False)
+        patch.setattr(StepGate, "wait_params", lambda self, indices: None)
+        ungated = _train(overlap=True, attach=True)
     with pytest.raises(AssertionError):
         _assert_models_equal(plain, ungated)
+
+
+def test_an_overlapped_step_without_attach_waits_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No module waits for its params: step() makes the caller's stream wait for the whole (slowed) step."""
+    from chunked_offload import ChunkedOffloadWarning
+
+    plain = _train(overlap=False, attach=False)
+    with monkeypatch.context() as patch:
+        _slow_chunks(patch)
+        with pytest.warns(ChunkedOffloadWarning, match="overlap=True without an attached model") as record:
+            unattached = _train(overlap=True, attach=False)
+    assert len([w for w in record if issubclass(w.category, ChunkedOffloadWarning)]) == 1
+    _assert_models_equal(plain, unattached)
+
+
+def test_a_plain_loop_with_overlap_and_no_attach_matches_the_unwrapped_loop() -> None:
+    """The case that raced before: 16 x Linear(4096, 4096), fused AdamW, 64 MB chunks, a plain loop."""
+    import warnings
+
+    def train(wrap: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(torch.nn.Linear(4096, 4096) for _ in range(16))).cuda()
+        opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        if wrap:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                opt = ChunkedOffloadOptimizer(opt, chunk_size_mb=64, overlap=True)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        for _ in range(6):
+            model(torch.randn(256, 4096, device="cuda", generator=gen)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        torch.cuda.synchronize()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for i, (a, b) in enumerate(zip(train(False), train(True), strict=True)):
+        assert_equal(a, b, f"param {i}")
+
+
+def test_an_attached_models_state_dict_waits_for_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    plain = _train(overlap=False, attach=False, steps=3)
+    x = torch.randn(64, 1024, device="cuda", generator=torch.Generator(device="cuda").manual_seed(9))
+    with monkeypatch.context() as patch:
+        _slow_chunks(patch)
+        model, opt, _ = _train(overlap=True, attach=True, steps=3)
+        model(x).square().mean().backward()
+        opt.step()  # slowed; the model's state_dict() must wait for it without opt.wait_step()
+        saved = {k: v.to("cpu", copy=True) for k, v in model.state_dict().items()}
+    plain[0](x).square().mean().backward()
+    plain[1].step()
+    for k, v in plain[0].state_dict().items():
+        assert_equal(v, saved[k], k)
 
 
 def test_state_dict_and_offload_after_an_overlapped_step_wait_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
