@@ -261,3 +261,34 @@ def test_random_interleavings_match_the_plain_loop(seed: int) -> None:
                 with torch.no_grad():
                     loss()
     _assert_same(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("head_outside", [False, True])
+def test_reentrant_checkpointing_steps_every_chunk_once(head_outside: bool) -> None:
+    """Each checkpointed segment's grads arrive in a nested backward; the step closes at the end of the outermost
+    one, or at step() when no hook ran there (every param inside a segment)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def train(mode: str) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(5))
+        opt = ChunkedOffloadOptimizer(
+            torch.optim.AdamW(layers.parameters(), lr=1e-2), chunk_size_mb=2 * _KIB, step_in_backward=mode == "backward"
+        )
+        opt.attach(layers)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            x = torch.randn(3, 16, generator=gen, requires_grad=True)
+            for i, layer in enumerate(layers):
+                outside = head_outside and i == len(layers) - 1
+                x = layer(x) if outside else checkpoint(layer, x, use_reentrant=True)
+                x = torch.nn.functional.gelu(x)
+            x.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.wait_step()
+        assert not opt._pool.allocated
+        return [p.detach().clone() for p in layers.parameters()]
+
+    for i, (a, b) in enumerate(zip(train("plain"), train("backward"), strict=True)):
+        assert_equal(a, b, f"param {i}")

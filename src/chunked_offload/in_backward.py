@@ -31,6 +31,11 @@ class BackwardStep:
     (its H2D queues behind the one it replaces). At the end of the backward an autograd callback steps the chunks
     still open (some of their params got no grad, as a plain step would skip them) and closes the step.
 
+    Reentrant activation checkpointing runs a nested backward for each checkpointed segment, and the grads of the
+    params inside it arrive there. A callback queued from a hook goes to the backward the hook runs in, so each
+    backward a hook runs in gets one; the callback of a nested backward (it ends while an enclosing autograd node
+    still runs) leaves the step open. If no hook ran in the outermost backward, ``step()`` closes the step.
+
     Each chunk runs the inner step on the same bytes as ``step()`` would; only the order of the chunks differs, and
     the inner's update of a param depends on that param alone. So the result is bitwise that of the plain loop, for
     a loop without gradient clipping or loss scaling: their changes to the grads come after the update.
@@ -62,6 +67,7 @@ class BackwardStep:
         self._done: list[Chunk] = []
         self._staged: tuple[int, torch.cuda.Event | None] | None = None  # (chunk index, H2D event) in the next slot
         self.closed = False
+        self._watched: set[int] = set()  # graph tasks (backward passes) whose end calls close_at_end
         self.versions: dict[int, int] = {}  # param index -> its grad's version when the chunk was stepped
 
     # ------------------------------------------------------------------ driven by the hooks
@@ -88,6 +94,17 @@ class BackwardStep:
         waiting.discard(index)
         if not waiting:
             self._run(chunk)
+
+    def close_with_backward(self) -> None:
+        """Close the step at the end of the backward pass the current hook runs in, unless it is a nested one."""
+        task = torch._C._current_graph_task_id()
+        if task not in self._watched:
+            self._watched.add(task)
+            torch.autograd.Variable._execution_engine.queue_callback(self._close_at_end)
+
+    def _close_at_end(self) -> None:
+        if torch._C._current_autograd_node() is None:  # the outermost backward ends: every grad is final
+            self.close()
 
     def close(self) -> None:
         """End of the backward: step the chunks still open that have grads, then give the memory back."""

@@ -547,6 +547,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         step = self._backward_step
         if step is None:
             step = self._open_step_in_backward()
+        step.close_with_backward()
         step.grad_ready(index)
 
     def _open_step_in_backward(self) -> BackwardStep:
@@ -585,11 +586,12 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         self._stepped_in_backward = step.versions
         self._last_step = record
         step.begin()
-        torch.autograd.Variable._execution_engine.queue_callback(step.close)
         return step
 
     def _finish_step_in_backward(self) -> None:
         """``step()`` after a backward that stepped: refuse what changed the grads after their update."""
+        if self._backward_step is not None:
+            self._backward_step.close()  # its backward was nested in one that never reached a hook (checkpointing)
         versions, self._stepped_in_backward = self._stepped_in_backward, None
         if "found_inf" in self.__dict__ or "grad_scale" in self.__dict__:
             raise RuntimeError(
