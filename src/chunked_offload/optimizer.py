@@ -46,7 +46,7 @@ from .masters import (
     read_master,
     write_master,
 )
-from .overlap import AttachHandle, StepGate
+from .overlap import AttachHandle, StepGate, opaque
 from .planner import Chunk, ChunkPlan, Role
 from .schedule import StepSchedule
 from .staging import StagingPool
@@ -384,6 +384,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         return self._schedule
 
     # ------------------------------------------------------------------ step
+    @opaque  # [Note: Opaque to dynamo]: torch.compile(opt.step) runs this step eagerly
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Run one optimizer step over every chunk; return the closure's loss, if a closure was given.
@@ -529,6 +530,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
             handle.remove()
         ref = weakref.ref(self)
 
+        @opaque
         def hook(param: torch.Tensor) -> None:
             opt = ref()
             if opt is not None:

@@ -8,7 +8,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["StepGate"]
+__all__ = ["StepGate", "opaque"]
+
+# [Note: Opaque to dynamo]
+# torch.compile must never trace the wrapper's own code. Traced, the forward hooks that wait for (and enqueue) the
+# step's chunks would be specialised to what they did at trace time: a compiled forward then skips the waits (a race)
+# or runs a deferred chunk's inner step as a compiled graph (other arithmetic: NaN params were seen). A compiled
+# step() would likewise fuse the inner optimizer's kernels differently from the eager step. So every entry point that
+# dynamo can reach (the hooks registered on modules and params, and step()) is wrapped in torch.compiler.disable:
+# dynamo breaks the graph there and runs it eagerly. Each attached module with params costs at most one graph break.
+opaque = torch.compiler.disable
 
 
 class StepGate:
@@ -161,12 +170,15 @@ class StepGate:
     def attach(self, model: torch.nn.Module, index_of: Callable[[torch.Tensor], int | None]) -> AttachHandle:
         """Gate the forward of every module of ``model`` that holds params on the updates of those params."""
 
+        @opaque
         def hook(module: torch.nn.Module, args: Any) -> None:
             self.wait_params(i for p in module._parameters.values() if p is not None and (i := index_of(p)) is not None)
 
+        @opaque
         def done(module: torch.nn.Module, args: Any, output: Any) -> None:
             self.flush()  # what no module of the forward asked for is enqueued before the backward can start
 
+        @opaque
         def before_state_dict(module: torch.nn.Module, *args: Any) -> None:
             self.join()  # the model's state dict holds the params: it is read (or saved) after the step's updates
 
