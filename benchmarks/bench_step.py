@@ -212,7 +212,7 @@ def run_variant(
     arena_floor = None
     if isinstance(opt, ChunkedOffloadOptimizer) and device.type == "cuda":
         opt.synchronize()
-        arena_floor = arena_duplex_seconds(opt._require_layout().arena, device)  # overwrites the host state
+        arena_floor = arena_duplex_seconds(opt._placement.require().arena, device)  # overwrites the host state
     return Stats.of(times), first_peak, peak, final, build_s, arena_floor, opt
 
 

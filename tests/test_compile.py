@@ -77,7 +77,7 @@ def _train(mode: str, compiled: bool, checkpointing: str, steps: int = 4) -> lis
     return [p.detach().clone() for p in model.parameters()]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(compiled: bool, checkpointing: str) -> tuple[torch.Tensor, ...]:
     return tuple(_train("sync", compiled, checkpointing))
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from chunked_offload import ChunkedOffloadOptimizer
+from chunked_offload import ChunkedOffloadOptimizer, Phase
 from reference import assert_equal, assert_states_equal
 
 _KIB = 1 / 1024  # MiB
@@ -127,7 +127,7 @@ def test_a_second_backward_without_step_is_refused() -> None:
     opt = ChunkedOffloadOptimizer(torch.optim.AdamW(model.parameters()), chunk_size_mb=2 * _KIB, step_in_backward=True)
     x = torch.randint(0, 40, (3, 5))
     model(x).square().mean().backward()
-    assert opt._stepped_in_backward is not None
+    assert opt.phase is Phase.IN_BACKWARD
     with pytest.raises(RuntimeError, match="a second backward pass would step again"):
         model(x).square().mean().backward()
 
@@ -182,7 +182,7 @@ def test_a_failing_chunk_raises_from_backward_and_leaves_the_wrapper_usable(monk
         with pytest.raises(RuntimeError, match="injected failure") as info:
             model(x).square().mean().backward()
     assert "chunk 2 of the" in str(info.value.__notes__)
-    assert not opt._pool.allocated and opt._backward_step is None
+    assert not opt._pool.allocated and opt.phase is Phase.IDLE
     opt.zero_grad()
     model(x).square().mean().backward()
     opt.step()

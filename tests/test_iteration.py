@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from chunked_offload import ChunkedOffloadOptimizer, Home
+from chunked_offload import ChunkedOffloadOptimizer, Home, Phase
 from reference import ODD_SHAPES, assert_equal, assert_states_equal, make_grads, make_params, run_steps, set_grads
 
 _KIB = 1 / 1024  # MiB
@@ -295,7 +295,7 @@ def test_a_deferred_step_enqueues_its_later_chunks_as_the_forward_reaches_them()
         link()
     assert opt._schedule.deferred is run and run.next == opt.num_slots + 1 + opt.num_slots
     chain()  # the rest of the forward; its end enqueues whatever is left
-    assert opt._schedule.deferred is None and opt._gate.deferred is None and not opt._pool.allocated
+    assert opt._schedule.deferred is None and opt.phase is not Phase.DEFERRED and not opt._pool.allocated
     set_grads(params, make_grads(params, 2))
     opt.step()
     chain()
@@ -433,9 +433,9 @@ def test_prefetch_is_taken_over_by_the_step() -> None:
     for step in range(1, 5):
         set_grads(params, make_grads(params, step))
         opt.prefetch()
-        assert opt._pool.allocated and opt._schedule._prefetched is not None
+        assert opt._pool.allocated and opt._pipeline._prefetched is not None
         opt.step()
-        assert opt._schedule._prefetched is None and not opt._pool.allocated
+        assert opt._pipeline._prefetched is None and not opt._pool.allocated
         opt.zero_grad()
     _assert_same(ref, ref_params, opt, params)
 
@@ -486,7 +486,7 @@ def test_a_prefetch_that_fails_frees_the_slots_and_the_step_stays_exact(monkeypa
         patch.setattr(TransferEngine, "stage_in", failing)
         with pytest.raises(RuntimeError, match="injected H2D failure"):
             opt.prefetch()
-    assert not opt._pool.allocated and opt._schedule is not None and opt._schedule._prefetched is None
+    assert not opt._pool.allocated and opt._schedule is not None and opt._pipeline._prefetched is None
     opt.step()
     opt.zero_grad()
     _assert_same(ref, ref_params, opt, params)
@@ -501,8 +501,8 @@ def test_offload_and_reload_return_handles_and_repeat_as_no_ops(non_blocking: bo
     handle = opt.offload(non_blocking=non_blocking)
     assert opt.offload(non_blocking=non_blocking) is handle  # a second call changes nothing
     assert handle.wait().done()
-    assert opt._layout is not None and opt._layout.resident_flat is not None
-    assert opt._layout.resident_flat.device.type == "cpu"
+    assert opt._placement.layout is not None and opt._placement.layout.resident_flat is not None
+    assert opt._placement.layout.resident_flat.device.type == "cpu"
     _ = opt.state_dict()  # readable while offloaded
     again = opt.reload(non_blocking=non_blocking)
     assert opt.reload() is again

@@ -108,7 +108,7 @@ def test_state_between_steps_is_host_views_of_the_arena() -> None:
     params = make_params(ODD_SHAPES)
     opt = ChunkedOffloadOptimizer(torch.optim.AdamW(params, fused=True), chunk_size_mb=0.004)
     run_steps(opt, params, 2)
-    arena = opt._arena
+    arena = opt._placement.layout.arena
     assert arena is not None
     lo = arena.region(0, arena.nbytes).data_ptr()
     hi = lo + arena.nbytes

@@ -6,6 +6,7 @@ from .host_arena import HostArena
 from .layout import IncompatibleStateError
 from .masters import MasterMode
 from .optimizer import ChunkedOffloadOptimizer
+from .phase import Phase
 from .planner import Bundle, Chunk, ChunkPlan, Home, Role, TensorSpec, plan_chunks
 from .state_dict import MASTER_KEY
 
@@ -25,6 +26,7 @@ __all__ = [
     "IncompatibleStateError",
     "KeyedAdapter",
     "MasterMode",
+    "Phase",
     "Role",
     "TEFusedAdamAdapter",
     "TensorSpec",

@@ -10,13 +10,14 @@ from typing import Any
 import torch
 
 from .adapters import Adapter
-from .layout import is_dtensor
+from .layout import ParamInfo, is_dtensor
 from .masters import MasterMode
 from .state_table import StateTable
 
 __all__ = [
     "ChunkedOffloadWarning",
     "Notices",
+    "check_grads",
     "check_inner",
     "check_master_mode",
     "check_not_wrapped",
@@ -87,10 +88,9 @@ def check_options(
         raise ValueError(f"master_weights must be one of {modes}, got {master_weights!r}")
 
 
-def check_inner(inner: object) -> None:
-    from .optimizer import ChunkedOffloadOptimizer  # the wrapper's module imports this one
-
-    if isinstance(inner, ChunkedOffloadOptimizer):
+def check_inner(inner: object, wrapper: type) -> None:
+    """``inner`` is an optimizer instance and not already a wrapper (of class ``wrapper``)."""
+    if isinstance(inner, wrapper):
         raise TypeError(
             "inner is already a ChunkedOffloadOptimizer; wrap the underlying optimizer once (opt.inner is it)"
         )
@@ -193,4 +193,24 @@ def check_master_mode(inner: torch.optim.Optimizer, adapter: Adapter, mode: Mast
             raise ValueError(
                 f"master_weights='remainder' needs bf16 params, got only {sorted(str(d) for d in dtypes)}; "
                 "fp32 params need no master: use master_weights='none'"
+            )
+
+
+def check_grads(infos: Sequence[ParamInfo], adapter: Adapter) -> None:
+    """Every grad fits its param; checked for all chunks before any is modified."""
+    for info in infos:
+        p, grad = info.param, adapter.grad_of(info.param)
+        if grad is None:
+            continue
+        where = f"param {info.index} (shape {tuple(p.shape)}, dtype {p.dtype}, device {p.device})"
+        if grad.is_sparse or grad.layout != torch.strided:
+            raise RuntimeError(
+                f"{where} has a {grad.layout} gradient; chunked offload stages dense state only. Use dense "
+                "gradients (e.g. nn.Embedding(sparse=False))"
+            )
+        if grad.shape != p.shape or grad.dtype != p.dtype or grad.device != p.device:
+            raise RuntimeError(
+                f"{where} has a grad of shape {tuple(grad.shape)}, dtype {grad.dtype} on {grad.device}; a grad "
+                "must match its param (was the param resized or converted after backward?). Zero the grads "
+                "(opt.zero_grad()) and run backward again"
             )

@@ -7,11 +7,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .adapters import GroupCounters
+from .adapters import Adapter
+from .context import OpenStep
+from .pipeline import ChunkPipeline, Event, Pending, note_failure
 from .planner import Chunk
-from .schedule import StepSchedule, _annotate, _Pending
-from .staging import Slot, SlotState
-from .telemetry import StepRecord
+from .staging import Slot
 
 __all__ = ["BackwardStep"]
 
@@ -41,31 +41,32 @@ class BackwardStep:
     a loop without gradient clipping or loss scaling: their changes to the grads come after the update.
 
     Args:
-        schedule: the step schedule (slots, engine, gate, stepper) of the current layout.
+        pipeline: the per-chunk operations ([Note: Chunk pipeline]).
+        adapter: where the inner optimizer reads grads.
         expected: the chunks to expect, in the order the backward should finish them.
-        counters: the group counters, opened by the caller.
-        record: the step's telemetry.
+        step: the outer step, opened by the caller.
         on_close: called once the step is closed (False) or aborted (True): the caller's own clean-up.
     """
 
     def __init__(
         self,
-        schedule: StepSchedule,
+        pipeline: ChunkPipeline,
+        adapter: Adapter,
         expected: Sequence[Chunk],
-        counters: GroupCounters,
-        record: StepRecord,
+        step: OpenStep,
         on_close: Callable[[bool], None],
     ) -> None:
-        self.schedule = schedule
+        self.pipeline = pipeline
+        self.adapter = adapter
         self.expected = list(expected)
-        self.counters = counters
-        self.record = record
+        self.counters = step.counters
+        self.record = step.record
         self._on_close = on_close
         self._chunk_of = {i: c for c in self.expected for i in c.params}
         self._open = {c.index: set(c.params) for c in self.expected}
-        self._fresh = {c.index: not schedule._has_state(c) for c in self.expected}
+        self._fresh = {c.index: not pipeline.has_state(c) for c in self.expected}
         self._done: list[Chunk] = []
-        self._staged: tuple[int, torch.cuda.Event | None] | None = None  # (chunk index, H2D event) in the next slot
+        self._staged: tuple[int, Event] | None = None  # (chunk index, H2D event) in the next slot
         self.closed = False
         self._watched: set[int] = set()  # graph tasks (backward passes) whose end calls close_at_end
         self.versions: dict[int, int] = {}  # param index -> its grad's version when the chunk was stepped
@@ -73,11 +74,8 @@ class BackwardStep:
     # ------------------------------------------------------------------ driven by the hooks
     def begin(self) -> None:
         """Take the slots' memory and start the H2D of the chunk expected first."""
-        pool, engine = self.schedule.pool, self.schedule.engine
         try:
-            if not all(self._fresh.values()):
-                pool.acquire(self.schedule.layout.plan.slot_nbytes)
-            engine.begin_step()
+            self.pipeline.start(self.expected, [self._fresh[c.index] for c in self.expected], depth=0)
             self._stage_next()
         except BaseException:
             self.abort(None)
@@ -110,81 +108,75 @@ class BackwardStep:
         """End of the backward: step the chunks still open that have grads, then give the memory back."""
         if self.closed:
             return
-        grad_of = self.schedule.stepper.adapter.grad_of
-        infos = self.schedule.layout.infos
+        grad_of = self.adapter.grad_of
+        infos = self.pipeline.require_layout().infos
         for chunk in self.expected:
             if chunk.index in self._open and any(grad_of(infos[i].param) is not None for i in chunk.params):
                 self._run(chunk)
-        engine, pool = self.schedule.engine, self.schedule.pool
-        with self.schedule.gate.stepping():
+        with self.pipeline.gate.stepping():
             self.record.compute_done()
-        engine.end_step(pool.slots)
         if self._staged is not None:
-            # A chunk was brought in but got no grad: its H2D may still write the slot, which the release below
-            # does not order against (it records the D2H stream only).
+            # A chunk was brought in but got no grad: its H2D may still write the slot, which the finish below
+            # would not order against (it records the D2H stream only).
             self._staged = None
-            engine.drain(pool.slots)
-            pool.release(None)
-        else:
-            pool.release(engine.d2h_stream)
+            self.pipeline.drain()
+        self.pipeline.finish()
         self.record.transfers_done()
         self.closed = True
         self._on_close(False)
 
-    def abort(self, pending: _Pending | None) -> bool:
+    def abort(self, pending: Pending | None) -> bool:
         """Roll the failing chunk back (or forward), let committed write-backs land, free the slots."""
-        forward = self.schedule._abort(pending)
+        forward = self.pipeline.abort(pending)
         self.closed = True
         self._on_close(True)
         return forward
 
     # ------------------------------------------------------------------ one chunk
     def _run(self, chunk: Chunk) -> None:
-        schedule = self.schedule
+        pipeline = self.pipeline
         del self._open[chunk.index]
         self._keep_grads_alive(chunk)
         position = len(self._done)
-        slot = schedule.pool.slot_for(position)
+        slot = pipeline.slot_for(position)
         fresh = self._fresh[chunk.index]
-        pending: _Pending | None = None
+        pending: Pending | None = None
         try:
             matched, event = self._take_staged(chunk, slot)
-            with schedule.gate.stepping():
+            with pipeline.gate.stepping():
                 if not fresh and not matched:
-                    event = schedule._stage(chunk, slot)
-                pending = schedule._step_one(chunk, slot, fresh, event, self.counters)
-                schedule._commit(chunk, pending)
+                    event = pipeline.stage(chunk, slot)
+                pending = pipeline.step(chunk, slot, fresh, event, self.counters)
+                pipeline.commit(chunk, pending)
                 pending = None
             self._record_versions(chunk)
             self._done.append(chunk)
-            self.record.add_chunk(chunk, fresh, schedule.pool)
+            self.record.add_chunk(chunk, fresh, pipeline.pool)
             self._stage_next()
         except BaseException as exc:
             committed = len(self._done) + (1 if self.abort(pending) else 0)
-            _annotate(exc, self._done + [chunk], position, committed)
+            note_failure(exc, self._done + [chunk], position, committed)
             raise
 
     def _grads(self, chunk: Chunk) -> list[tuple[int, torch.Tensor]]:
-        grad_of, infos = self.schedule.stepper.adapter.grad_of, self.schedule.layout.infos
+        grad_of, infos = self.adapter.grad_of, self.pipeline.require_layout().infos
         return [(i, g) for i in chunk.params if (g := grad_of(infos[i].param)) is not None]
 
     def _keep_grads_alive(self, chunk: Chunk) -> None:
-        self.schedule.gate.keep_alive(g for _, g in self._grads(chunk))
+        self.pipeline.gate.keep_alive(g for _, g in self._grads(chunk))
 
     def _record_versions(self, chunk: Chunk) -> None:
         """Each grad's version after its update: a later change (clipping, unscaling) is refused at ``step()``."""
         for i, grad in self._grads(chunk):
             self.versions[i] = grad._version
 
-    def _take_staged(self, chunk: Chunk, slot: Slot) -> tuple[bool, torch.cuda.Event | None]:
+    def _take_staged(self, chunk: Chunk, slot: Slot) -> tuple[bool, Event]:
         """Whether ``chunk`` is the one staged in its slot, and its H2D event; otherwise the slot is handed over."""
         staged, self._staged = self._staged, None
         if staged is not None and staged[0] == chunk.index:
             return True, staged[1]
         if staged is not None:
-            # Another chunk's H2D was started in this slot. A new H2D queues behind it on the same stream, and keeps
-            # the waits the slot already has, so the slot can go back to where it was before that H2D.
-            slot.state = SlotState.DRAINING
+            self.pipeline.release_staged(slot)
         return False, None
 
     def _stage_next(self) -> None:
@@ -192,6 +184,5 @@ class BackwardStep:
         for chunk in self.expected:
             if chunk.index in self._open:
                 if not self._fresh[chunk.index] and chunk.transfer_nbytes:
-                    slot = self.schedule.pool.slot_for(len(self._done))
-                    self._staged = (chunk.index, self.schedule._stage(chunk, slot))
+                    self._staged = (chunk.index, self.pipeline.stage(chunk, self.pipeline.slot_for(len(self._done))))
                 return

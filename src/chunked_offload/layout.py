@@ -12,8 +12,8 @@ import torch
 
 from .adapters import Adapter, spec_of
 from .host_arena import HostArena, typed_view
-from .masters import MASTER, REMAINDER, TIE_BITS, MasterMode, dense_spec, master_specs, needs_master
-from .planner import Bundle, Chunk, ChunkPlan, Home, Role, TensorSpec, _align, plan_chunks, window_bound
+from .masters import MASTER, REMAINDER, TIE_BITS, MasterMode, master_specs, needs_master
+from .planner import Bundle, Chunk, ChunkPlan, Home, Role, TensorSpec, align, dense_spec, plan_chunks, window_bound
 from .state_table import bind
 
 __all__ = [
@@ -35,6 +35,8 @@ __all__ = [
     "stale_reason",
     "stepped_like",
 ]
+
+_MOVING = tuple(role for role in Role if role.moves)  # what a home holds: scratch lives in the slots only
 
 # Per parameter index: spec key -> tensor. Device views while a chunk runs, home views between steps.
 Views = dict[int, dict[str, torch.Tensor]]
@@ -97,7 +99,7 @@ def planning_weight(p: torch.Tensor, specs: Sequence[TensorSpec]) -> int | None:
         if Shard is not None and isinstance(placement, Shard):
             shape[placement.dim] = -(-shape[placement.dim] // d.device_mesh.size(mesh_dim))
     numel = math.prod(shape)
-    return sum(_align(numel * s.dtype.itemsize) for s in specs)
+    return sum(align(numel * s.dtype.itemsize) for s in specs)
 
 
 class IncompatibleStateError(RuntimeError, KeyError):
@@ -174,6 +176,21 @@ class Layout:
         """Recompute what entries hold for param ``index`` after its homes moved."""
         param = self.infos[index].param
         self.bound[index] = {key: like_param(home, param) for key, home in self.homes[index].items()}
+
+    def move_resident(self, flat: torch.Tensor, state: Mapping[torch.Tensor, Any]) -> None:
+        """Make ``flat`` (a copy of ``resident_flat`` elsewhere) the resident chunks' memory; rebind their entries."""
+        for chunk in self.plan.resident_chunks:
+            views = chunk_views(chunk, self.infos, flat, shift=-chunk.home_offset, roles=_MOVING)
+            for i, new_homes in views.items():
+                home, old_bound = self.homes[i], dict(self.bound[i])
+                for key in list(home):
+                    home[key] = new_homes[key]
+                self.rebind(i)
+                entry = state.get(self.infos[i].param)
+                for key, held in old_bound.items():
+                    if entry and entry.get(key) is held:
+                        bind(entry, key, self.bound[i][key])
+        self.resident_flat = flat
 
 
 def stepped_like(p: torch.Tensor, mode: MasterMode) -> torch.Tensor:

@@ -8,7 +8,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from .planner import Role, TensorSpec
+from .planner import Role, TensorSpec, dense_spec
 
 __all__ = [
     "GRAD32",
@@ -17,7 +17,6 @@ __all__ = [
     "TIE_BITS",
     "MasterMode",
     "decode_remainder",
-    "dense_spec",
     "encode_remainder",
     "master_specs",
     "needs_master",
@@ -67,17 +66,6 @@ class MasterMode(enum.Enum):
 def needs_master(param: torch.Tensor, mode: MasterMode) -> bool:
     """Whether ``param`` gets a wrapper-owned master under ``mode``."""
     return mode is not MasterMode.NONE and param.dtype in LOW_PRECISION
-
-
-def dense_spec(key: str, role: Role, like: torch.Tensor, dtype: torch.dtype) -> TensorSpec:
-    """The spec of ``torch.empty_like(like, dtype=dtype)``: ``like``'s layout where it is dense, else contiguous.
-
-    A param that is a slice with gaps (``nn.Parameter(W[:, :k])``) gets dense state, as ``torch.zeros_like``
-    gives it; planning with the param's own strides would make neighbouring homes overlap.
-    """
-    meta = torch.empty_strided(tuple(like.shape), tuple(like.stride()), dtype=like.dtype, device="meta")
-    out = torch.empty_like(meta, dtype=dtype)
-    return TensorSpec(key, role, tuple(out.shape), tuple(out.stride()), dtype)
 
 
 def master_specs(param: torch.Tensor, mode: MasterMode) -> list[TensorSpec]:

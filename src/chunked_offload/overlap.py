@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-__all__ = ["StepGate", "opaque"]
-
-# [Note: Opaque to dynamo]
-# torch.compile must never trace the wrapper's own code. Traced, the forward hooks that wait for (and enqueue) the
-# step's chunks would be specialised to what they did at trace time: a compiled forward then skips the waits (a race)
-# or runs a deferred chunk's inner step as a compiled graph (other arithmetic: NaN params were seen). A compiled
-# step() would likewise fuse the inner optimizer's kernels differently from the eager step. So every entry point that
-# dynamo can reach (the hooks registered on modules and params, and step()) is wrapped in torch.compiler.disable:
-# dynamo breaks the graph there and runs it eagerly. Each attached module with params costs at most one graph break.
-opaque = torch.compiler.disable
+__all__ = ["StepGate"]
 
 
 class StepGate:
@@ -27,9 +18,9 @@ class StepGate:
     With ``overlap=True`` the chunk loop of ``step()`` runs on a stream of its own, which first waits for the
     caller's stream (the grads are ready). ``step()`` returns once its chunks are enqueued; the caller's stream goes
     on at once. With an attached model only the first chunks are: the rest wait until a forward hook asks for them
-    ([Note: Deferred chunks] in docs/design.md; ``deferred`` below). After each chunk's update the gate records an
-    event, and a module attached with ``opt.attach(model)`` makes the stream that runs its forward wait for the events
-    of its own params, just before the forward reads them. The next forward therefore runs while later chunks are
+    ([Note: Deferred chunks] in docs/design.md). After each chunk's update the gate records an event, and a module
+    attached with ``opt.attach(model)`` makes the stream that runs its forward wait for the events of its own params,
+    just before the forward reads them (hooks.py). The next forward therefore runs while later chunks are
     still being stepped, and reads each param only after its update: the result is bitwise that of the synchronous
     loop, because every kernel is the same and runs on the same bytes in the same order.
 
@@ -60,8 +51,6 @@ class StepGate:
         self.ready: dict[int, torch.cuda.Event] = {}
         self.end: torch.cuda.Event | None = None  # after the last chunk's update, on the step stream
         self.attached = 0  # models whose forward waits for their params (attach handles not removed)
-        # Set while a step has deferred chunks: enqueues those holding the given params (None: all of them).
-        self.deferred: Callable[[list[int] | None], None] | None = None
 
     @contextmanager
     def stepping(self, wait_caller: bool = True) -> Iterator[None]:
@@ -132,19 +121,10 @@ class StepGate:
                 if group.get(key) is copy:
                     group[key] = value
 
-    def flush(self) -> None:
-        """Enqueue every deferred chunk of the last step."""
-        if self.deferred is not None:
-            self.deferred(None)
-
     def wait_params(self, indices: Iterable[int]) -> None:
-        """Order the current stream after the updates of the given params (enqueuing their chunks if deferred)."""
-        if self.deferred is not None:
-            indices = list(indices)
-            self.deferred(indices)
-        if not self.ready:
+        """Order the current stream after the updates of the given params."""
+        if not self.ready or self.stream is None:
             return
-        assert self.stream is not None
         stream = torch.cuda.current_stream(self.stream.device)
         waited: set[int] = set()
         for i in indices:
@@ -155,65 +135,12 @@ class StepGate:
                 waited.add(id(event))
 
     def join(self) -> None:
-        """Order the current stream after the whole last step."""
-        self.flush()
+        """Order the current stream after the whole last step (its enqueued chunks)."""
         if self.end is not None and self.stream is not None:
             # Without this wait the caller could read (or free) what the step stream still uses.
             torch.cuda.current_stream(self.stream.device).wait_event(self.end)
 
     def synchronize(self) -> None:
-        """Block the host until the last step's updates have run."""
-        self.flush()
+        """Block the host until the last step's enqueued updates have run."""
         if self.end is not None:
             self.end.synchronize()
-
-    def attach(self, model: torch.nn.Module, index_of: Callable[[torch.Tensor], int | None]) -> AttachHandle:
-        """Gate the forward of every module of ``model`` that holds params on the updates of those params."""
-
-        @opaque
-        def hook(module: torch.nn.Module, args: Any) -> None:
-            self.wait_params(i for p in module._parameters.values() if p is not None and (i := index_of(p)) is not None)
-
-        @opaque
-        def done(module: torch.nn.Module, args: Any, output: Any) -> None:
-            self.flush()  # what no module of the forward asked for is enqueued before the backward can start
-
-        @opaque
-        def before_state_dict(module: torch.nn.Module, *args: Any) -> None:
-            self.join()  # the model's state dict holds the params: it is read (or saved) after the step's updates
-
-        with_params = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
-        handles = [module.register_forward_pre_hook(hook, prepend=True) for module in with_params]
-        readers = []
-        for module in {id(m): m for m in [model, *with_params]}.values():
-            readers.append(module.register_state_dict_pre_hook(before_state_dict))
-            readers.append(module.register_load_state_dict_pre_hook(before_state_dict))
-        self.attached += 1
-        return AttachHandle(handles, model.register_forward_hook(done), self, readers)
-
-
-class AttachHandle:
-    """What ``opt.attach(model)`` returns: ``remove()`` takes the forward hooks off again.
-
-    ``len()`` is the number of modules whose forward waits for its params.
-    """
-
-    def __init__(self, handles: list[Any], done: Any, gate: StepGate, readers: list[Any]) -> None:
-        self._handles = handles
-        self._done: Any = done  # the model's own forward hook, which enqueues what is left of a deferred step
-        self._gate = gate
-        self._readers = readers  # state_dict / load_state_dict pre-hooks, which join the step
-
-    def __len__(self) -> int:
-        return len(self._handles)
-
-    def remove(self) -> None:
-        if self._done is not None:
-            self._gate.attached -= 1
-            self._gate.flush()  # nothing will ask for the deferred chunks any more
-            self._done.remove()
-            self._done = None
-        for h in [*self._handles, *self._readers]:
-            h.remove()
-        self._handles.clear()
-        self._readers.clear()

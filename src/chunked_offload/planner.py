@@ -21,6 +21,8 @@ __all__ = [
     "Home",
     "Role",
     "TensorSpec",
+    "align",
+    "dense_spec",
     "plan_chunks",
     "window_bound",
 ]
@@ -57,7 +59,8 @@ class Role(enum.Enum):
         return self is not Role.SCRATCH
 
 
-def _align(nbytes: int) -> int:
+def align(nbytes: int) -> int:
+    """``nbytes`` rounded up to the tensor alignment inside a chunk."""
     return (nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
 
 
@@ -93,7 +96,18 @@ class TensorSpec:
 
     @property
     def padded_nbytes(self) -> int:
-        return _align(self.nbytes)
+        return align(self.nbytes)
+
+
+def dense_spec(key: str, role: Role, like: torch.Tensor, dtype: torch.dtype) -> TensorSpec:
+    """The spec of ``torch.empty_like(like, dtype=dtype)``: ``like``'s layout where it is dense, else contiguous.
+
+    A param that is a slice with gaps (``nn.Parameter(W[:, :k])``) gets dense state, as ``torch.zeros_like``
+    gives it; planning with the param's own strides would make neighbouring homes overlap.
+    """
+    meta = torch.empty_strided(tuple(like.shape), tuple(like.stride()), dtype=like.dtype, device="meta")
+    out = torch.empty_like(meta, dtype=dtype)
+    return TensorSpec(key, role, tuple(out.shape), tuple(out.stride()), dtype)
 
 
 @dataclass(frozen=True)
@@ -361,7 +375,7 @@ def _plan_resident_prefix(
     """
     n_resident, running = 0, 0
     for b in bundles:
-        running += _align(b.host_nbytes)
+        running += align(b.host_nbytes)
         if running > resident_budget:
             break
         n_resident += 1

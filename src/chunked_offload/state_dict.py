@@ -5,17 +5,15 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict, defaultdict
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .adapters import is_dense
 from .layout import local, stepped_like
+from .placement import Placement
 from .planner import Role, TensorSpec
 from .state_table import bind
-
-if TYPE_CHECKING:
-    from .optimizer import ChunkedOffloadOptimizer
 
 __all__ = ["MASTER_KEY", "CheckpointEntry", "load", "save"]
 
@@ -64,26 +62,26 @@ class CheckpointEntry(dict):  # type: ignore[type-arg]
         return CheckpointEntry.of({copy.deepcopy(k, memo): copy.deepcopy(v, memo) for k, v in self.items()})
 
 
-def save(opt: ChunkedOffloadOptimizer, *, snapshot: bool) -> dict[str, Any]:
-    """The inner optimizer's native state dict, read from the host copies.
+def save(opt: torch.optim.Optimizer, placement: Placement, *, snapshot: bool) -> dict[str, Any]:
+    """The inner optimizer's native state dict, read from the host copies (``opt`` is the wrapper).
 
     ``state`` maps param ids (positions in ``param_groups`` order) to the state entries; ``param_groups`` holds the
     hyperparameters. Offloaded tensors are views of the host copies (or copies, with ``snapshot``); no device memory
     is allocated. Hooks registered on the inner optimizer run around the wrapper's own.
     """
-    inner = opt.inner
+    inner = placement.inner
     for pre_hook in list(inner._optimizer_state_dict_pre_hooks.values()):
         pre_hook(inner)
-    opt.synchronize()  # every in-flight D2H lands before its host view is handed out
+    placement.synchronize()  # every in-flight D2H lands before its host view is handed out
     sd = torch.optim.Optimizer.state_dict(opt)  # the wrapper's hooks, torch's packing, over the inner's state
-    to_checkpoint = opt.adapter.to_checkpoint
+    to_checkpoint = placement.adapter.to_checkpoint
     state = {  # never alias inner.state; tensors in the inner optimizer's own checkpoint dtypes
         pid: {k: to_checkpoint(k, v) if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
         for pid, entry in sd["state"].items()
     }
-    for info in opt._infos:
+    for info in placement.infos:
         if info.has_master and info.index in state:
-            state[info.index][MASTER_KEY] = opt._read_master(info)
+            state[info.index][MASTER_KEY] = placement.read_master(info)
     if snapshot:
         state = {pid: {k: _host_copy(v) for k, v in entry.items()} for pid, entry in state.items()}
     sd["state"] = {pid: CheckpointEntry.of(entry) for pid, entry in state.items()}
@@ -100,50 +98,52 @@ def _host_copy(value: Any) -> Any:
     return value
 
 
-def load(opt: ChunkedOffloadOptimizer, state_dict: Any) -> None:
+def load(opt: torch.optim.Optimizer, placement: Placement, state_dict: Any) -> None:
     """Validate ``state_dict`` completely, plan its layout, then copy it into the host copies and the param groups.
+
+    ``opt`` is the wrapper (its own load hooks run around the inner's).
 
     Raises:
         TypeError, ValueError: the checkpoint does not fit this optimizer; nothing has been modified.
         RuntimeError: its layout cannot be allocated (host RAM); nothing has been modified.
     """
-    inner = opt.inner
+    inner, adapter = placement.inner, placement.adapter
     for owner in (opt, inner):
         for pre_hook in list(owner._optimizer_load_state_dict_pre_hooks.values()):
             out = pre_hook(owner, state_dict)
             if out is not None:
                 state_dict = out
-    hparams, entries, saved_groups = _validate(opt, state_dict)
+    hparams, entries, saved_groups = _validate(placement, state_dict)
     saved_ids = [pid for g in saved_groups for pid in g["params"]]
 
     # What the inner optimizer makes of the checkpoint (its own fix-ups in __setstate__), on copies.
     groups = [{**values, "params": g["params"]} for g, values in zip(inner.param_groups, hparams, strict=True)]
     state: dict[torch.Tensor, dict[str, Any]] = {}
-    for info in opt._infos:
+    for info in placement.infos:
         entry = entries.get(info.index)
         if not entry:
             continue
         values = {}
         # Small tensors are placed as for the tensor the inner steps: under masters the fp32 master, not the param.
-        stepped = torch.empty(0, dtype=opt._stepped_dtype(info.param), device=info.param.device)
+        stepped = torch.empty(0, dtype=placement.stepped_dtype(info.param), device=info.param.device)
         for key, value in entry.items():
             if key == MASTER_KEY:
                 continue
-            if isinstance(value, torch.Tensor) and not opt.adapter.is_offloaded(key, value):
+            if isinstance(value, torch.Tensor) and not adapter.is_offloaded(key, value):
                 value = _place_scalar(stepped, value, saved_ids[info.index], saved_groups, key)
             values[key] = value
         state[info.param] = values
     groups, state = _fixed_up(inner, groups, state)
 
-    prepared = opt._prepare(groups, state)  # may raise (host RAM): nothing is modified yet
+    prepared = placement.build(groups, state)  # may raise (host RAM): nothing is modified yet
 
-    opt._drain()
+    placement.pipeline.drain()
     for group, new in zip(inner.param_groups, groups, strict=True):
         for k in [k for k in group if k != "params"]:
             del group[k]
         group.update({k: v for k, v in new.items() if k != "params"})
     table = inner.state
-    for info in opt._infos:
+    for info in placement.infos:
         new_entry = state.get(info.param)
         if new_entry is None:
             table.pop(info.param, None)
@@ -152,12 +152,12 @@ def load(opt: ChunkedOffloadOptimizer, state_dict: Any) -> None:
         dict.clear(entry)
         for k, v in new_entry.items():
             bind(entry, k, v)  # offloaded tensors are the checkpoint's; _install copies them into their homes
-    opt._install(prepared)
-    opt.adapter.after_load([info.param for info in opt._infos if info.param in table])
-    for info in opt._infos:
+    placement.install(prepared)
+    adapter.after_load([info.param for info in placement.infos if info.param in table])
+    for info in placement.infos:
         if info.has_master:
             master = (entries.get(info.index) or {}).get(MASTER_KEY)
-            opt._write_master(info, master if master is not None else info.param.detach().float())
+            placement.write_master(info, master if master is not None else info.param.detach().float())
     for owner in (opt, inner):
         for post_hook in list(owner._optimizer_load_state_dict_post_hooks.values()):
             post_hook(owner)
@@ -185,9 +185,7 @@ def _place_scalar(
     return placed.clone() if placed is value else placed
 
 
-def _validate(
-    opt: ChunkedOffloadOptimizer, sd: Any
-) -> tuple[list[dict[str, Any]], dict[int, dict[str, Any]], list[Any]]:
+def _validate(placement: Placement, sd: Any) -> tuple[list[dict[str, Any]], dict[int, dict[str, Any]], list[Any]]:
     if not isinstance(sd, Mapping):
         raise TypeError(f"state_dict must be a mapping with 'state' and 'param_groups', got {type(sd).__name__}")
     missing = [k for k in ("state", "param_groups") if k not in sd]
@@ -200,7 +198,7 @@ def _validate(
         raise ValueError("state_dict['param_groups'] must be a list of dicts, each with a 'params' list")
     if not isinstance(state, Mapping):
         raise ValueError(f"state_dict['state'] must be a mapping from param id to state, got {type(state).__name__}")
-    groups = opt.inner.param_groups
+    groups = placement.inner.param_groups
     if len(saved_groups) != len(groups):
         raise ValueError(f"the checkpoint has {len(saved_groups)} param groups but the optimizer has {len(groups)}")
     for gi, (saved, group) in enumerate(zip(saved_groups, groups, strict=True)):
@@ -223,11 +221,11 @@ def _validate(
         values.update({k: v for k, v in saved.items() if k != "params"})
         hparams.append(values)
 
-    adapter, mode = opt.adapter, opt._mode
+    adapter, mode = placement.adapter, placement.mode
     entries: dict[int, dict[str, Any]] = {}
     for pid, entry in state.items():
         index = index_of[pid]
-        info = opt._infos[index]
+        info = placement.infos[index]
         if not isinstance(entry, Mapping):
             raise TypeError(f"state of param id {pid!r} must be a mapping, got {type(entry).__name__}")
         where = f"param {index} (checkpoint id {pid!r}, shape {tuple(info.param.shape)})"

@@ -34,16 +34,27 @@ class StateBinding:
         synchronize: called before the host writes into a home: waits until no write-back into the homes is in
             flight (and marks bytes staged earlier stale).
         is_offloaded: whether a state value moves (the adapter's rule).
+        stepping: whether the inner optimizer's step runs now (the wrapper's phase).
     """
 
-    def __init__(self, synchronize: Callable[[], None], is_offloaded: Callable[[str, object], bool]) -> None:
+    def __init__(
+        self,
+        synchronize: Callable[[], None],
+        is_offloaded: Callable[[str, object], bool],
+        stepping: Callable[[], bool],
+    ) -> None:
         self.homes: dict[int, dict[str, torch.Tensor]] = {}
         self.bound: dict[int, dict[str, torch.Tensor]] = {}  # what entries hold: the home, or a DTensor over it
         self.index_by_id: dict[int, int] = {}
-        self.stepping = False
         self.dirty = False
         self._synchronize = synchronize
         self._is_offloaded = is_offloaded
+        self._stepping = stepping
+
+    @property
+    def stepping(self) -> bool:
+        """Whether assignments pass through untouched (the inner optimizer's step runs)."""
+        return self._stepping()
 
     def index_of(self, param: object) -> int | None:
         return self.index_by_id.get(id(param))

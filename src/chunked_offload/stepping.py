@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.autograd.profiler import record_function
 
-from .adapters import Adapter, GroupCounters
+from .adapters import Adapter
 from .layout import BACKUP, Layout, ParamInfo, Views, like_param, local, same_tensor
 from .masters import (
     GRAD32,
@@ -24,9 +24,17 @@ from .masters import (
 from .planner import Chunk, TensorSpec
 from .state_table import bind
 
-__all__ = ["ChunkStepper", "ChunkTxn", "raw_step"]
+__all__ = ["ChunkHooks", "ChunkStepper", "ChunkTxn", "raw_step"]
 
 _ABSENT = object()  # a param that had no state entry before the chunk
+
+
+class ChunkHooks(Protocol):
+    """What an outer step runs around each chunk's inner step (its group counters: ``context.GroupCounters``)."""
+
+    def before_chunk(self) -> None: ...
+
+    def after_chunk(self) -> None: ...
 
 
 def raw_step(inner: torch.optim.Optimizer) -> Callable[[], Any]:
@@ -111,7 +119,8 @@ def _undo_swap(swap: _MasterSwap) -> None:
 class ChunkStepper:
     """Binds a chunk's device views into the inner optimizer's state and runs the inner step on just that chunk.
 
-    The steps for one chunk (design contracts 1-4, [Note: Chunk transactions]):
+    The steps for one chunk (the contracts "keep parameter identity", "restore each tensor exactly",
+    "re-scan after every chunk" and "whole parameters only" in docs/design.md; [Note: Chunk transactions]):
     1. record every state entry of the chunk's params (0-dim tensors by value);
     2. for params with a wrapper-owned master: rebuild it if stored as a remainder, apply
        [Note: Edited params], cast the grad to fp32 into scratch;
@@ -146,7 +155,7 @@ class ChunkStepper:
         self._narrowed: dict[int, list[list[torch.Tensor]]] = {}  # chunk index -> its params, group by group
 
     def run(
-        self, chunk: Chunk, views: Views, counters: GroupCounters, *, fresh: bool
+        self, chunk: Chunk, views: Views, counters: ChunkHooks, *, fresh: bool
     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], ChunkTxn]:
         """Step one chunk; return the ``(home, device tensor)`` pairs of fresh state to write back, and the txn."""
         infos = [self.infos[i] for i in chunk.params]
@@ -178,7 +187,7 @@ class ChunkStepper:
             txn.rollback()
             raise
 
-    def run_empty(self, counters: GroupCounters) -> None:
+    def run_empty(self, counters: ChunkHooks) -> None:
         """The inner step over empty groups, for an outer step in which no param has a grad.
 
         It changes no param, but it advances what the inner advances on every call, as plain torch would

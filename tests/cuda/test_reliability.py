@@ -120,7 +120,9 @@ def test_removing_a_wait_makes_its_race_test_fail(monkeypatch: pytest.MonkeyPatc
     elif wait == "last-d2h-before-next-h2d":
         monkeypatch.setattr(TransferEngine, "begin_step", lambda self: None)
     else:
-        monkeypatch.setattr(ChunkedOffloadOptimizer, "synchronize", lambda self: None)
+        from chunked_offload.placement import Placement
+
+        monkeypatch.setattr(Placement, "synchronize", lambda self: None)
     with pytest.raises(AssertionError):
         _race(monkeypatch, where, "none")
 
@@ -294,7 +296,7 @@ def test_arena_registered_in_many_pieces_on_the_gpu(monkeypatch: pytest.MonkeyPa
     shapes = [(2048, 2048)] * 16  # 512 MiB of AdamW state in 64 MiB chunks: 8 registrations
     ref_params, params = make_params(shapes, torch.float32, "cuda"), make_params(shapes, torch.float32, "cuda")
     opt = ChunkedOffloadOptimizer(torch.optim.AdamW(params, lr=1e-2, fused=True), chunk_size_mb=64)
-    arena = opt._arena
+    arena = opt._placement.layout.arena
     assert len(arena.pieces) >= 4
     for lo, hi in arena.pieces:
         assert is_page_locked(arena.region(lo, 1)) and is_page_locked(arena.region(hi - 1, 1))

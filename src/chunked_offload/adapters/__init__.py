@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from .base import Adapter, GroupCounters, KeyedAdapter, hparams_signature, is_dense, spec_of
+from .base import Adapter, KeyedAdapter, hparams_signature, is_dense, spec_of
 from .emerging import emerging_adapter
 from .generic import GenericAdapter
 from .torch_optim import torch_adapter
@@ -15,7 +15,6 @@ from .transformer_engine import TEFusedAdamAdapter, is_te_fused_adam
 __all__ = [
     "Adapter",
     "GenericAdapter",
-    "GroupCounters",
     "KeyedAdapter",
     "TEFusedAdamAdapter",
     "check_groups",
@@ -28,7 +27,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# (substring of the lower-cased class name, why it cannot be chunked). Design contract 7.
+# (substring of the lower-cased class name, why it cannot be chunked): the contract "refuse what cannot be chunked".
 _REFUSED_NAMES = [
     ("lbfgs", "it keeps one history over the flattened gradient of every parameter and re-evaluates closures"),
     ("sparseadam", "it needs sparse gradients, which cannot be staged as dense chunks"),

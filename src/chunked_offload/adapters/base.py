@@ -1,17 +1,15 @@
-"""The Adapter contract: which state keys move, how lazily-created state looks, and group counters."""
+"""The Adapter contract: which state keys move, how lazily-created state looks, what the inner can do."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ..masters import dense_spec
-from ..planner import Role, TensorSpec
+from ..planner import Role, TensorSpec, dense_spec
 
-__all__ = ["Adapter", "GroupCounters", "KeyedAdapter", "hparams_signature", "is_dense", "spec_of"]
+__all__ = ["Adapter", "KeyedAdapter", "hparams_signature", "is_dense", "spec_of"]
 
 
 def is_dense(t: torch.Tensor) -> bool:
@@ -56,7 +54,8 @@ class Adapter:
     Subclasses say which state tensors the inner optimizer creates lazily for a parameter (so the host arena can be
     laid out before the first step) and refuse what cannot be chunked. Everything else is shared: a state value
     moves when it is a tensor with at least one dimension; 0-dim tensors (Adam's ``step``, the moments of a 0-dim
-    param) and non-tensors stay where the inner optimizer put them (contract 5 in the design notes).
+    param) and non-tensors stay where the inner optimizer put them (the contract "small scalar state stays where the
+    inner expects it").
 
     Args:
         inner: the wrapped optimizer.
@@ -69,6 +68,9 @@ class Adapter:
     #: The update of a param needs the whole param (Muon orthogonalizes whole matrices): DTensor params sharded by
     #: FSDP2 are refused, unless the inner optimizer gathers them itself (then set this False).
     whole_params = False
+    #: The attribute of a param the inner optimizer reads its gradient from (Transformer Engine can read
+    #: ``decoupled_grad``); a deferred chunk puts the step's grads back there ([Note: Deferred chunks]).
+    grad_attr = "grad"
 
     def __init__(self, inner: torch.optim.Optimizer) -> None:
         self.inner = inner
@@ -101,7 +103,8 @@ class Adapter:
 
     def grad_of(self, param: torch.Tensor) -> torch.Tensor | None:
         """The gradient the inner optimizer reads for ``param``."""
-        return param.grad
+        grad: torch.Tensor | None = getattr(param, self.grad_attr, None)
+        return grad
 
     def verify_bound(self, params: Sequence[torch.Tensor], state: Mapping[torch.Tensor, Any]) -> None:
         """Check the state of a chunk's params right before the inner step (after binding the device views)."""
@@ -170,85 +173,3 @@ class KeyedAdapter(Adapter):
 
     def lazy_keys(self, group: dict[str, Any]) -> frozenset[str]:
         return self._lazy
-
-
-class GroupCounters:
-    """Keeps group-level values (Transformer Engine's ``group["step"]``, ...) advancing once per outer step.
-
-    The inner optimizer's step runs once per chunk. Before every chunk the groups are restored to their values at
-    the start of the outer step. After a chunk, each group whose values the inner changed remembers them (so a
-    counter the inner advances for every group, even one with no params in the chunk, advances once; one it
-    advances only for groups it steps advances once too). At the end every group gets the values it last
-    remembered. A chunk that fails remembers nothing, so its groups keep the values of the committed chunks.
-
-    Args:
-        groups: the inner optimizer's ``param_groups``.
-    """
-
-    def __init__(self, groups: list[dict[str, Any]]) -> None:
-        self._groups = groups
-        self._start = [self._snapshot(g) for g in groups]
-        self._final: list[dict[str, Any] | None] = [None] * len(groups)
-
-    @staticmethod
-    def _snapshot(group: dict[str, Any]) -> dict[str, Any]:
-        return {k: v for k, v in group.items() if k != "params"}
-
-    @staticmethod
-    def _restore(group: dict[str, Any], values: dict[str, Any]) -> None:
-        for k in [k for k in group if k != "params" and k not in values]:
-            del group[k]
-        group.update(values)
-
-    def before_chunk(self) -> None:
-        for group, values in zip(self._groups, self._start, strict=True):
-            self._restore(group, values)
-
-    def after_chunk(self) -> None:
-        for gi, group in enumerate(self._groups):
-            values = self._snapshot(group)
-            if not _same_values(values, self._start[gi]):
-                self._final[gi] = values
-
-    def finish(self) -> None:
-        for gi, group in enumerate(self._groups):
-            final = self._final[gi]
-            self._restore(group, final if final is not None else self._start[gi])
-
-    def changed(self) -> bool:
-        """Whether a chunk so far changed a group's values (the inner keeps a counter there)."""
-        return any(final is not None for final in self._final)
-
-    @contextmanager
-    def deferred(self) -> Iterator[None]:
-        """Around chunks stepped after ``step()`` returned: they see the step's values, the caller keeps its own.
-
-        The caller may have changed the groups since (a scheduler's next ``lr``). Each chunk inside still runs
-        with the values of the step's start, and afterwards the groups get the caller's values back, with any
-        value the inner changed on top.
-        """
-        callers = [self._snapshot(g) for g in self._groups]
-        try:
-            yield
-        finally:
-            for group, caller, start in zip(self._groups, callers, self._start, strict=True):
-                now = self._snapshot(group)
-                changed = {k: v for k, v in now.items() if k not in start or not _same_values({k: v}, {k: start[k]})}
-                self._restore(group, {**caller, **changed})
-
-
-def _same_values(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    if a.keys() != b.keys():
-        return False
-    for k, v in a.items():
-        w = b[k]
-        if v is w:
-            continue
-        if isinstance(v, torch.Tensor) or isinstance(w, torch.Tensor):
-            return False
-        try:
-            if not bool(v == w):
-                return False
-        except Exception:
-            return False
-    return True

@@ -7,8 +7,7 @@ from typing import Any
 
 import torch
 
-from ..masters import dense_spec
-from ..planner import Role, TensorSpec
+from ..planner import Role, TensorSpec, dense_spec
 from .base import Adapter, hparams_signature
 
 __all__ = ["GenericAdapter"]

@@ -7,8 +7,7 @@ from typing import Any
 
 import torch
 
-from ..masters import dense_spec
-from ..planner import Role, TensorSpec
+from ..planner import Role, TensorSpec, dense_spec
 from .base import Adapter
 
 __all__ = ["TEFusedAdamAdapter", "is_te_fused_adam"]
@@ -43,6 +42,10 @@ class TEFusedAdamAdapter(Adapter):
 
     name = "transformer_engine.FusedAdam"
     strict = True
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        super().__init__(inner)
+        self.grad_attr = "decoupled_grad" if getattr(inner, "use_decoupled_grad", False) else "grad"
 
     def check_config(self) -> None:
         inner: Any = self.inner
@@ -81,11 +84,6 @@ class TEFusedAdamAdapter(Adapter):
 
     def layout_signature(self, group: dict[str, Any]) -> Hashable:
         return "fused_adam"  # the state depends on the optimizer's attributes, not on group hyperparameters
-
-    def grad_of(self, param: torch.Tensor) -> torch.Tensor | None:
-        if getattr(self.inner, "use_decoupled_grad", False):
-            return getattr(param, "decoupled_grad", None)
-        return param.grad
 
     def verify_bound(self, params: Sequence[torch.Tensor], state: Mapping[torch.Tensor, Any]) -> None:
         for p in params:

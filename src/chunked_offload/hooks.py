@@ -1,0 +1,133 @@
+"""The hooks the wrapper puts on modules and params: thin, opaque to dynamo, each calling into the step runtime."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["AttachHandle", "Runtime", "attach", "opaque", "register_grad_hooks", "weak_callback"]
+
+# [Note: Opaque to dynamo]
+# torch.compile must never trace the wrapper's own code. Traced, the forward hooks that wait for (and enqueue) the
+# step's chunks would be specialised to what they did at trace time: a compiled forward then skips the waits (a race)
+# or runs a deferred chunk's inner step as a compiled graph (other arithmetic: NaN params were seen). A compiled
+# step() would likewise fuse the inner optimizer's kernels differently from the eager step. So every entry point that
+# dynamo can reach (the hooks registered here on modules and params, and step()) is wrapped in torch.compiler.disable:
+# dynamo breaks the graph there and runs it eagerly. Each attached module with params costs at most one graph break.
+opaque = torch.compiler.disable
+
+
+class Runtime(Protocol):
+    """What the hooks call (``runner.StepRunner``)."""
+
+    def wait_for(self, indices: list[int]) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def join(self) -> None: ...
+
+    def grad_final(self, param: torch.Tensor) -> None: ...
+
+    def index_of(self, param: torch.Tensor) -> int | None: ...
+
+    def attached(self, delta: int) -> None: ...
+
+
+def attach(model: torch.nn.Module, runtime: Runtime) -> AttachHandle:
+    """Gate the forward of every module of ``model`` that holds params on the updates of those params.
+
+    Each such module gets a forward pre-hook (prepended, so it runs before any other, FSDP2's included) that makes
+    the stream running the forward wait for its params' chunks, enqueuing them first if they were deferred. The
+    model's own forward hook enqueues what is left of a deferred step, so that nothing is deferred into the backward.
+    ``state_dict()`` and ``load_state_dict()`` of the model and of those modules join the step first: they read or
+    write the params.
+    """
+    ref = weakref.ref(runtime)  # the model must not keep the wrapper (and its host memory) alive
+
+    @opaque
+    def before_forward(module: torch.nn.Module, args: Any) -> None:
+        target = ref()
+        if target is not None:
+            own = (target.index_of(p) for p in module._parameters.values() if p is not None)
+            target.wait_for([i for i in own if i is not None])
+
+    @opaque
+    def after_forward(module: torch.nn.Module, args: Any, output: Any) -> None:
+        target = ref()
+        if target is not None:
+            target.flush()
+
+    @opaque
+    def before_state_dict(module: torch.nn.Module, *args: Any) -> None:
+        target = ref()
+        if target is not None:
+            target.join()
+
+    with_params = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+    handles = [m.register_forward_pre_hook(before_forward, prepend=True) for m in with_params]
+    readers = []
+    for module in {id(m): m for m in [model, *with_params]}.values():
+        readers.append(module.register_state_dict_pre_hook(before_state_dict))
+        readers.append(module.register_load_state_dict_pre_hook(before_state_dict))
+    runtime.attached(+1)
+    return AttachHandle(handles, model.register_forward_hook(after_forward), readers, ref)
+
+
+class AttachHandle:
+    """What ``opt.attach(model)`` returns: ``remove()`` takes the hooks off again.
+
+    ``len()`` is the number of modules whose forward waits for its params.
+    """
+
+    def __init__(self, handles: list[Any], done: Any, readers: list[Any], runtime: weakref.ref[Runtime]) -> None:
+        self._handles = handles
+        self._done: Any = done  # the model's own forward hook, which enqueues what is left of a deferred step
+        self._readers = readers  # state_dict / load_state_dict pre-hooks, which join the step
+        self._runtime = runtime
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def remove(self) -> None:
+        if self._done is not None:
+            target = self._runtime()
+            if target is not None:
+                target.attached(-1)
+                target.flush()  # nothing will ask for the deferred chunks any more
+            self._done.remove()
+            self._done = None
+        for h in [*self._handles, *self._readers]:
+            h.remove()
+        self._handles.clear()
+        self._readers.clear()
+
+
+def register_grad_hooks(params: Sequence[torch.Tensor], runtime: Runtime) -> list[Any]:
+    """A post-accumulate-grad hook on every param that requires grad ([Note: Step in backward]).
+
+    Through a weak reference, so that params do not keep the wrapper alive.
+    """
+    ref = weakref.ref(runtime)
+
+    @opaque
+    def grad_final(param: torch.Tensor) -> None:
+        target = ref()
+        if target is not None:
+            target.grad_final(param)
+
+    return [p.register_post_accumulate_grad_hook(grad_final) for p in params if p.requires_grad]
+
+
+def weak_callback(method: Callable[[Any], None]) -> Callable[[Any], None]:
+    """A bound ``method`` that holds its object weakly (a part calling back into the wrapper), a no-op once gone."""
+    ref = weakref.WeakMethod(method)
+
+    def call(arg: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(arg)
+
+    return call

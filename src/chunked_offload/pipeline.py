@@ -1,0 +1,288 @@
+"""ChunkPipeline: the operations on one chunk (stage, step, commit, abort) that both step drivers share."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .layout import Layout, Views, chunk_views
+from .overlap import StepGate
+from .planner import Chunk, Home, Role
+from .staging import Slot, SlotState, StagingPool
+from .stepping import ChunkHooks, ChunkStepper, ChunkTxn
+from .transfer import TransferEngine
+
+__all__ = ["ChunkPipeline", "Pending", "note_failure"]
+
+logger = logging.getLogger(__name__)
+
+_NON_STATE = (Role.MASTER, Role.REMAINDER, Role.TIE_BITS, Role.SCRATCH)
+
+Event = torch.cuda.Event | None
+
+
+@dataclass
+class _Prefetch:
+    """The H2D copies ``prefetch()`` started: which chunks, and the version of the homes they read."""
+
+    chunk_indices: list[int]
+    fresh: list[bool]
+    events: dict[int, Event]
+    home_version: int
+
+
+@dataclass
+class Pending:
+    """A stepped chunk whose write-back is not enqueued yet (``committing`` once it is being enqueued)."""
+
+    slot: Slot
+    txn: ChunkTxn
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    retain: list[torch.Tensor] = field(default_factory=list)
+    committing: bool = False
+
+
+class ChunkPipeline:
+    """The per-chunk operations of a step, over the staging slots and the copy streams.
+
+    [Note: Chunk pipeline]
+    A step driver (``StepSchedule``: chunks in parameter order, some deferred to the forward; ``BackwardStep``:
+    chunks as the backward finishes their grads) calls, for one outer step:
+    1. ``start``: the slots take their memory if any chunk is staged, and the H2D copies are ordered after the last
+       step's write-back;
+    2. per chunk: ``stage`` (the H2D of a chunk that has state, into its slot), ``step`` (the inner optimizer's step
+       on it as a transaction: [Note: Chunk transactions]) and ``commit`` (its write-back is enqueued; from then on
+       it is committed and readers of its params wait for it);
+    3. ``finish``: fresh tensors and the slots' memory go back to the allocator, recorded on the D2H stream.
+    On failure ``abort`` rolls the failing chunk back (or forward, if its write-back was being enqueued), lets the
+    committed write-backs land and frees every slot. The waits between the streams are those of
+    [Note: Two-slot staging] (staging.py), made in transfer.py.
+
+    Args:
+        engine: the copy streams.
+        pool: the staging slots.
+        gate: the stream the chunks step on, and the events readers of the params wait for.
+    """
+
+    def __init__(self, engine: TransferEngine, pool: StagingPool, gate: StepGate) -> None:
+        self.engine = engine
+        self.pool = pool
+        self.gate = gate
+        self.layout: Layout | None = None
+        self.stepper: ChunkStepper | None = None
+        self._prefetched: _Prefetch | None = None
+
+    def bind(self, layout: Layout, stepper: ChunkStepper) -> None:
+        """Step the chunks of a newly installed layout from now on."""
+        self.layout, self.stepper = layout, stepper
+
+    @property
+    def lookahead(self) -> int:
+        """How many chunks' H2D run ahead of the chunk being stepped."""
+        return len(self.pool.slots) - 1
+
+    def slot_for(self, position: int) -> Slot:
+        return self.pool.slot_for(position)
+
+    def has_state(self, chunk: Chunk) -> bool:
+        """Whether the chunk is staged (its state exists) rather than fresh (its first step creates it)."""
+        if chunk.state_nbytes == 0:
+            return True
+        layout, stepper = self._require()
+        state = stepper.inner.state
+        for i in chunk.params:
+            info = layout.infos[i]
+            entry = state.get(info.param)
+            if entry and any(key in entry for key in info.state_keys):
+                return True
+        return False
+
+    def start(self, chunks: Sequence[Chunk], fresh: Sequence[bool], depth: int) -> dict[int, Event]:
+        """Take the slots' memory when any chunk is staged, order this step's H2D after the last write-back, and
+        start the H2D of the first ``depth`` chunks; returns their events by position.
+
+        Runs on the caller's stream: the slots' blocks come from its pool, so that forward and backward reuse them
+        between steps ([Note: Slot memory between steps]).
+        """
+        if not all(fresh):
+            self.pool.acquire(self._require()[0].plan.slot_nbytes)
+        self.engine.begin_step()
+        return {
+            pos: self.stage(chunks[pos], self.slot_for(pos)) for pos in range(min(depth, len(chunks))) if not fresh[pos]
+        }
+
+    def prefetch(self, chunks: Sequence[Chunk]) -> None:
+        """Start the H2D of the first chunks a step of ``chunks`` will stage; ``take_prefetch`` hands them over.
+
+        The slots hold their memory from now until that step. If the step turns out to need other chunks, or the
+        homes are written in between, the staged bytes are dropped and the step stages them again.
+        """
+        self.drop_prefetch()
+        fresh = [not self.has_state(c) for c in chunks]
+        if not chunks or fresh[0]:
+            return  # a first step creates its state on the device: nothing to bring in early
+        depth = max(1, self.lookahead)
+        try:
+            events = self.start(chunks, fresh, depth)
+        except BaseException:
+            self.drain_and_release()  # nothing was modified (an H2D only reads the homes); the step stages again
+            raise
+        self._prefetched = _Prefetch([c.index for c in chunks[:depth]], fresh[:depth], events, self.engine.home_version)
+
+    def take_prefetch(self, chunks: Sequence[Chunk], fresh: Sequence[bool]) -> dict[int, Event] | None:
+        """The H2D events of a prefetch that matches this step's first chunks, or None (after dropping any other)."""
+        taken = self._prefetched
+        if taken is None:
+            return None
+        n = len(taken.chunk_indices)
+        if (
+            taken.home_version == self.engine.home_version
+            and [c.index for c in chunks[:n]] == taken.chunk_indices
+            and list(fresh[:n]) == taken.fresh
+        ):
+            self._prefetched = None
+            return taken.events
+        self.drop_prefetch()
+        return None
+
+    def drop_prefetch(self) -> None:
+        """Give back what ``prefetch`` took: wait for its copies, free the slots."""
+        if self._prefetched is not None:
+            self._prefetched = None
+            self.drain_and_release()
+
+    def stage(self, chunk: Chunk, slot: Slot) -> Event:
+        """The H2D (a D2D for resident chunks) of a chunk that has state; see [Note: Two-slot staging]."""
+        n = chunk.transfer_nbytes
+        buffer = self._buffer(slot)
+        return self.engine.stage_in(slot, [(buffer[:n], self._home_region(chunk, n))] if n else [])
+
+    def release_staged(self, slot: Slot) -> None:
+        """A chunk was staged in ``slot`` but another takes the slot: its H2D queues behind the one it replaces.
+
+        A new H2D on the same stream keeps the waits the slot already has, so the slot goes back to where it was
+        before that H2D.
+        """
+        slot.state = SlotState.DRAINING
+
+    def step(self, chunk: Chunk, slot: Slot, fresh: bool, h2d_event: Event, hooks: ChunkHooks) -> Pending:
+        """Step one chunk in ``slot``: a fresh one in memory of its own, a staged one after its H2D (started)."""
+        if fresh:
+            return self._step_fresh(chunk, slot, hooks)
+        return self._step_staged(chunk, slot, h2d_event, hooks)
+
+    def commit(self, chunk: Chunk, pending: Pending) -> None:
+        """Enqueue a stepped chunk's write-back: from here on it is committed, and its params count as updated."""
+        pending.committing = True
+        self.gate.mark_ready(chunk.params, self.engine.write_back(pending.slot, pending.pairs, pending.retain))
+
+    def finish(self) -> None:
+        """The step is done: fresh tensors and the slots' memory go back once the D2H stream has read them."""
+        self.engine.end_step(self.pool.slots)
+        self.pool.release(self.engine.d2h_stream)
+
+    def drain(self) -> None:
+        """Wait for every copy; the slots return to FREE (their memory stays)."""
+        self.engine.drain(self.pool.slots)
+
+    def drain_and_release(self) -> None:
+        """Wait for every copy, then free the slots (after a failure, or when staged bytes are dropped)."""
+        self.drain()
+        self.pool.release(None)
+
+    def abort(self, pending: Pending | None) -> bool:
+        """Roll the failing chunk back (or forward), let committed write-backs land, free every slot.
+
+        Returns whether the failing chunk was rolled forward (committed).
+        """
+        self.gate.join()  # the rollback below runs on the caller's stream, after what the step stream enqueued
+        forward = pending is not None and pending.committing
+        if pending is not None:
+            if forward:
+                # Its write-back was being enqueued: the slot holds the committed bytes, so enqueue it in full.
+                pending.slot.state = SlotState.READY
+                self.engine.write_back(pending.slot, pending.pairs, pending.retain)
+            else:
+                pending.txn.rollback()
+        self.drain_and_release()
+        return forward
+
+    # ------------------------------------------------------------------ one chunk
+    def _require(self) -> tuple[Layout, ChunkStepper]:
+        if self.layout is None or self.stepper is None:
+            raise RuntimeError("the chunk plan has not been built")
+        return self.layout, self.stepper
+
+    def require_layout(self) -> Layout:
+        return self._require()[0]
+
+    def require_stepper(self) -> ChunkStepper:
+        return self._require()[1]
+
+    def _buffer(self, slot: Slot) -> torch.Tensor:
+        if slot.buffer is None:
+            raise RuntimeError("the staging slots have no memory while a chunk is staged")
+        return slot.buffer
+
+    def _home_region(self, chunk: Chunk, nbytes: int, offset: int = 0) -> torch.Tensor:
+        """``nbytes`` of the chunk's moving bytes in its home, from chunk byte ``offset``."""
+        layout = self._require()[0]
+        start = chunk.home_offset + offset
+        if chunk.home is Home.HOST:
+            return layout.arena.region(start, nbytes)
+        if layout.resident_flat is None:
+            raise RuntimeError("the resident chunks have no memory; call opt.reload()")
+        return layout.resident_flat[start : start + nbytes]
+
+    def _step_staged(self, chunk: Chunk, slot: Slot, h2d_event: Event, hooks: ChunkHooks) -> Pending:
+        layout, stepper = self._require()
+        self.engine.wait_staged(slot, h2d_event)
+        buffer = self._buffer(slot)
+        _, txn = stepper.run(chunk, chunk_views(chunk, layout.infos, buffer), hooks, fresh=False)
+        n = chunk.transfer_nbytes
+        return Pending(slot, txn, [(self._home_region(chunk, n), buffer[:n])] if n else [])
+
+    def _step_fresh(self, chunk: Chunk, slot: Slot, hooks: ChunkHooks) -> Pending:
+        """First step of a chunk: the inner optimizer creates its state on the device; D2H reads it directly."""
+        layout, stepper = self._require()
+        engine = self.engine
+        engine.reclaim(slot)  # bound: at most num_slots chunks of fresh tensors exist at once
+        wrapper_nbytes = chunk.region_nbytes[1]
+        extra = wrapper_nbytes + chunk.region_nbytes[2]
+        temp = torch.empty(extra, dtype=torch.uint8, device=self.pool.device) if extra else None
+        wrapper_home = self._home_region(chunk, wrapper_nbytes, offset=chunk.state_nbytes)
+        h2d = [(temp[:wrapper_nbytes], wrapper_home)] if temp is not None and wrapper_nbytes else []
+        event = engine.stage_in(slot, h2d, fresh_memory=True)
+        engine.wait_staged(slot, event)
+        if temp is None:
+            views: Views = {i: {} for i in chunk.params}
+        else:
+            views = chunk_views(chunk, layout.infos, temp, shift=chunk.state_nbytes, roles=_NON_STATE)
+        fresh_pairs, txn = stepper.run(chunk, views, hooks, fresh=True)
+        pairs = list(fresh_pairs)
+        retain = [t for _, t in fresh_pairs]
+        if temp is not None:
+            if wrapper_nbytes:
+                pairs.append((wrapper_home, temp[:wrapper_nbytes]))
+            retain.append(temp)
+        return Pending(slot, txn, pairs, retain)
+
+
+def note_failure(exc: BaseException, chunks: Sequence[Chunk], position: int, committed: int) -> None:
+    """Log and note on ``exc`` which chunks of a failed step were committed."""
+    if position < 0:
+        note = "chunked_offload: step() failed before any chunk was stepped; nothing was modified"
+    else:
+        chunk = chunks[position]
+        fate = "was committed too (its write-back was being enqueued)" if committed > position else "was rolled back"
+        note = (
+            f"chunked_offload: step() failed in chunk {chunk.index} (params {chunk.params[0]}..{chunk.params[-1]}), "
+            f"chunk {position + 1} of the {len(chunks)} with grads: the {position} before it were committed, it "
+            f"{fate}, and the {len(chunks) - position - 1} after it are untouched"
+        )
+    logger.warning("%s (%s: %s)", note, type(exc).__name__, exc)
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)

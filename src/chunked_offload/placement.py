@@ -1,0 +1,259 @@
+"""Placement: the layout's lifecycle (build, re-plan, offload, reload, re-home) and the state table's binding."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .adapters import Adapter, check_groups
+from .checks import check_params, check_sharding
+from .layout import IncompatibleStateError, Layout, ParamInfo, describe, place, plan_layout, rehome_state, stale_reason
+from .masters import MasterMode, needs_master, read_master, write_master
+from .overlap import StepGate
+from .phase import Phase, PhaseMachine
+from .pipeline import ChunkPipeline
+from .planner import ChunkPlan
+from .state_table import StateBinding, StateTable
+from .stepping import ChunkStepper
+from .transfer import MoveHandle, TransferEngine
+
+__all__ = ["PlanOptions", "Placement", "Prepared"]
+
+logger = logging.getLogger(__name__)
+
+_MIB = 2**20
+
+
+@dataclass
+class PlanOptions:
+    """What the chunk plan is made from, besides the params and their state (the wrapper's options)."""
+
+    chunk_size_mb: float
+    num_slots: int
+    offload_fraction: float
+    gpu_budget_mb: float | None
+    gated: bool  # overlap or step_in_backward: readers of the params wait for their chunks
+
+
+@dataclass
+class Prepared:
+    """A layout built for given groups and state, not installed yet."""
+
+    infos: list[ParamInfo]
+    layout: Layout
+    new_memory: bool
+
+
+class Placement:
+    """Owns where every bundle tensor lives, from one step to the next.
+
+    [Note: Layout lifecycle]
+    ``build`` describes the params, plans the chunks and places the homes (host arena, resident device buffer) for
+    given groups and state without modifying the optimizer; ``install`` moves every state tensor into its new home
+    and binds the pipeline to the layout. ``sync``, before every step and every read or write of the state, checks
+    cheaply that the layout still fits (``layout.stale_reason``) and re-plans (or refuses, before anything is
+    modified) when it does not. ``offload``/``reload`` move the resident state between device and host memory and
+    re-home it. The state table absorbs assigned tensors into the homes through ``binding`` ([Note: Absorbing
+    writes]).
+
+    Args:
+        inner: the wrapped optimizer.
+        adapter: its adapter.
+        mode: the master-weights mode.
+        options: planning options.
+        device: the params' device.
+        pin: page-lock the host arena.
+        binding: the state table's binding to the homes.
+        pipeline: the chunk pipeline (drained before homes move; bound to each new layout).
+        gate: the step stream's events (forgotten when the layout changes).
+        phase: the wrapper's phase (OFFLOADED is this class's to set).
+        on_install: called with each newly installed layout (the wrapper re-registers its grad hooks).
+    """
+
+    def __init__(
+        self,
+        inner: torch.optim.Optimizer,
+        adapter: Adapter,
+        mode: MasterMode,
+        options: PlanOptions,
+        *,
+        device: torch.device,
+        pin: bool,
+        binding: StateBinding,
+        pipeline: ChunkPipeline,
+        gate: StepGate,
+        phase: PhaseMachine,
+        on_install: Callable[[Layout], None],
+    ) -> None:
+        self.inner = inner
+        self.adapter = adapter
+        self.mode = mode
+        self.options = options
+        self.device = device
+        self.pin = pin
+        self.binding = binding
+        self.pipeline = pipeline
+        self.gate = gate
+        self.phase = phase
+        self.on_install = on_install
+        self.layout: Layout | None = None
+        self.last_move = MoveHandle()
+
+    @property
+    def engine(self) -> TransferEngine:
+        return self.pipeline.engine
+
+    def require(self) -> Layout:
+        if self.layout is None:
+            raise RuntimeError("the chunk plan has not been built")
+        return self.layout
+
+    @property
+    def plan(self) -> ChunkPlan:
+        return self.require().plan
+
+    @property
+    def infos(self) -> list[ParamInfo]:
+        return self.require().infos
+
+    def stepped_dtype(self, p: torch.Tensor) -> torch.dtype:
+        """The dtype the inner optimizer steps for ``p``: fp32 under a wrapper master, else the param's own."""
+        return torch.float32 if needs_master(p, self.mode) else p.dtype
+
+    # ------------------------------------------------------------------ building and installing
+    def adopt_state(self) -> None:
+        """Make the inner's ``state`` this wrapper's :class:`StateTable` (after a swap by the inner or a user)."""
+        state = self.inner.state
+        if not (isinstance(state, StateTable) and state.binding is self.binding):
+            self.inner.state = StateTable(self.binding, list(state.items()))  # type: ignore[assignment]
+            self.binding.dirty = True
+
+    def sync(self, *, force: bool = False, strict: bool = True) -> None:
+        """Bring the layout in line with the inner optimizer before anything is modified ([Note: Absorbing writes]).
+
+        With ``strict=False`` (reading a state dict) state the inner optimizer could not step is reported as it is,
+        with the current layout, instead of raising.
+        """
+        self.adopt_state()
+        groups = self.inner.param_groups
+        layout = self.require()
+        reason = "forced" if force else None
+        if self.binding.dirty:
+            reason = "state was assigned that does not fit its home"
+        reason = reason or stale_reason(layout, groups, self.inner.state, self.adapter)
+        if reason is None:
+            return
+        logger.debug("re-planning: %s", reason)
+        check_groups(self.inner)
+        check_params(groups)
+        check_sharding(groups, self.adapter, self.mode, self.options.gated)
+        try:
+            prepared = self.build(groups, self.inner.state)
+        except IncompatibleStateError:
+            if strict:
+                raise
+            return
+        self.install(prepared)
+
+    def build(self, groups: Sequence[Mapping[str, Any]], state: Mapping[torch.Tensor, Any]) -> Prepared:
+        """Describe, plan and place a layout for ``groups`` and ``state``; modifies nothing of the optimizer."""
+        options = self.options
+        infos = describe(groups, state.get, self.adapter, self.mode)
+        plan = plan_layout(
+            infos,
+            chunk_bytes=max(1, int(options.chunk_size_mb * _MIB)),
+            num_slots=options.num_slots,
+            offload_fraction=options.offload_fraction,
+            gpu_budget=None if options.gpu_budget_mb is None else int(options.gpu_budget_mb * _MIB),
+        )
+        signatures = [self.adapter.layout_signature(dict(g)) for g in groups]
+        old = self.layout
+        same_params = (
+            old is not None
+            and len(old.infos) == len(infos)
+            and all(a.param is b.param for a, b in zip(old.infos, infos, strict=True))  # identity: == compares values
+        )
+        if old is not None and same_params and plan == old.plan and self.phase.resting is not Phase.OFFLOADED:
+            same = Layout(plan, infos, old.homes, old.arena, old.resident_flat, signatures, old.bound)
+            return Prepared(infos, same, False)
+        self.pipeline.drain()  # the previous layout's homes are read below; no write-back may still be in flight
+        layout = place(plan, infos, old, signatures, pin=self.pin, device=self.device, mode=self.mode)
+        return Prepared(infos, layout, True)
+
+    def install(self, prepared: Prepared) -> None:
+        """Switch to a prepared layout: move every state tensor into its new home."""
+        self.pipeline.drop_prefetch()
+        self.pipeline.drain()
+        self.gate.clear()
+        layout = prepared.layout
+        rehome_state(self.inner.state, layout)
+        if prepared.new_memory and self.phase.resting is Phase.OFFLOADED:
+            self.phase.rest(Phase.IDLE)  # the new layout placed the resident state on the device
+        self.layout = layout
+        binding = self.binding
+        binding.homes, binding.bound = layout.homes, layout.bound
+        binding.index_by_id = {id(info.param): info.index for info in prepared.infos}
+        binding.dirty = False
+        self.pipeline.bind(layout, ChunkStepper(self.inner, self.adapter, self.mode, layout))
+        self.on_install(layout)
+
+    # ------------------------------------------------------------------ offload / reload
+    def offload(self, non_blocking: bool) -> MoveHandle:
+        """Move the resident state to page-locked host memory on a copy stream and re-home it there."""
+        if self.phase.resting is Phase.OFFLOADED:
+            return self.last_move
+        self.pipeline.drop_prefetch()
+        return self._move_resident(Phase.OFFLOADED, non_blocking)
+
+    def reload(self, non_blocking: bool) -> MoveHandle:
+        """Bring the resident state back to the device on a copy stream; the caller's stream is ordered after it."""
+        if self.phase.resting is not Phase.OFFLOADED:
+            return self.last_move
+        return self._move_resident(Phase.IDLE, non_blocking)
+
+    def _move_resident(self, to: Phase, non_blocking: bool) -> MoveHandle:
+        layout = self.require()
+        handle = MoveHandle()
+        flat = layout.resident_flat
+        target = torch.device("cpu") if to is Phase.OFFLOADED else self.device
+        if flat is not None and flat.device != target:
+            pin = self.pin and target.type == "cpu"
+            moved = torch.empty(flat.numel(), dtype=torch.uint8, device=target, pin_memory=pin)
+            handle = self.engine.move(moved, flat)
+            layout.move_resident(moved, self.inner.state)
+        self.phase.rest(to)
+        self.last_move = handle.wait() if not non_blocking else handle
+        return handle
+
+    def synchronize(self) -> None:
+        """Block until every enqueued write-back into the homes has landed (the homes can be read)."""
+        self.gate.synchronize()
+        self.engine.synchronize()
+
+    # ------------------------------------------------------------------ masters
+    def masters(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``(param, fp32 master)`` of every param with a wrapper-owned master, read from its home."""
+        for info in self.infos:
+            if info.has_master:
+                yield info.param, self.read_master(info)
+
+    def read_master(self, info: ParamInfo) -> torch.Tensor:
+        return read_master(self.require().homes[info.index], info.param, self.mode)
+
+    def write_master(self, info: ParamInfo, master: torch.Tensor) -> None:
+        write_master(self.require().homes[info.index], info.param, master, self.mode)
+
+    # ------------------------------------------------------------------ figures
+    @property
+    def resident_device_bytes(self) -> int:
+        flat = self.require().resident_flat
+        return 0 if flat is None or flat.device.type == "cpu" else flat.numel()
+
+    @property
+    def pinned_host_bytes(self) -> int:
+        arena = self.require().arena
+        return arena.nbytes if arena.pinned else 0

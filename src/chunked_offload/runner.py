@@ -1,0 +1,322 @@
+"""StepRunner: the step's runtime; it drives outer steps in every mode and owns the wrapper's phase."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.optim.optimizer as torch_optimizer
+
+from .adapters import Adapter
+from .checks import Notices, check_grads
+from .context import StepContext, skipped_by_scaler
+from .in_backward import BackwardStep
+from .layout import local
+from .overlap import StepGate
+from .phase import Phase, PhaseMachine
+from .pipeline import ChunkPipeline
+from .placement import Placement
+from .planner import Chunk
+from .schedule import StepSchedule
+from .telemetry import StepRecord, StepStats
+from .transfer import MoveHandle
+
+__all__ = ["StepRunner"]
+
+logger = logging.getLogger(__name__)
+
+_MIB = 2**20
+
+
+class StepRunner:
+    """Runs the wrapper's outer steps, in whichever mode, and everything that must wait for them.
+
+    [Note: Step modes]
+    - ``step()`` opens a step (``StepContext``), and the ordered driver (``StepSchedule``) steps the chunks with a
+      grad in parameter order. With ``overlap=True`` they run on the gate's stream; with an attached model only the
+      first ``num_slots`` are enqueued and the rest are *deferred* to the forward hooks that read their params
+      (phase DEFERRED). Without an attached model the caller's stream waits for the whole step.
+    - With ``step_in_backward=True`` the first final grad of a backward opens the step, and the event-driven driver
+      (``BackwardStep``) steps each chunk once its grads are final (phase IN_BACKWARD); ``step()`` then only checks
+      that nothing changed the grads afterwards.
+    - Every call that reads or writes what a step touches first enqueues what is deferred (``flush``) and orders
+      the caller's stream after the step (``join``); ``synchronize`` waits on the host.
+
+    Args:
+        inner: the wrapped optimizer.
+        adapter: its adapter.
+        placement: the layout's owner.
+        context: opens and closes steps.
+        schedule: the ordered driver.
+        phase: the wrapper's phase.
+        notices: one-time warnings.
+        overlap: whether steps overlap the caller's stream.
+        step_in_backward: whether the backward pass steps.
+        post_hooks: the wrapper's own step post-hooks (a step does not defer while any post-hook is registered).
+    """
+
+    def __init__(
+        self,
+        inner: torch.optim.Optimizer,
+        adapter: Adapter,
+        placement: Placement,
+        context: StepContext,
+        schedule: StepSchedule,
+        phase: PhaseMachine,
+        notices: Notices,
+        *,
+        overlap: bool,
+        step_in_backward: bool,
+        post_hooks: Mapping[int, Any],
+    ) -> None:
+        self.inner = inner
+        self.adapter = adapter
+        self.placement = placement
+        self.context = context
+        self.schedule = schedule
+        self.phase = phase
+        self.notices = notices
+        self.overlap = overlap
+        self.step_in_backward = step_in_backward
+        self.post_hooks = post_hooks
+        self.last_step: StepRecord | None = None
+        self.backward: BackwardStep | None = None  # while IN_BACKWARD
+
+    @property
+    def pipeline(self) -> ChunkPipeline:
+        return self.schedule.pipeline
+
+    @property
+    def gate(self) -> StepGate:
+        return self.pipeline.gate
+
+    # ------------------------------------------------------------------ step()
+    def step(self, closure: Callable[[], Any] | None, scaler: Mapping[str, torch.Tensor]) -> Any:
+        """One outer step ([Note: Step modes]); ``scaler`` holds GradScaler's tensors set on the wrapper."""
+        self.phase.require("step()", Phase.IDLE, Phase.OFFLOADED, Phase.DEFERRED, Phase.IN_BACKWARD, Phase.ACCUMULATING)
+        args, kwargs = self.context.run_inner_hooks("_optimizer_step_pre_hooks", (closure,) if closure else (), {})
+        closure = args[0] if args else kwargs.get("closure")
+        if Phase.IN_BACKWARD in (self.phase.phase, self.phase.resting):
+            if closure is not None:
+                raise ValueError("step(closure) with step_in_backward=True: the backward pass has already stepped")
+            self._finish_in_backward(scaler)
+            self.context.run_inner_hooks("_optimizer_step_post_hooks", args, kwargs)
+            return None
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        chunks = self.chunks_to_step()
+        skip_staged = skipped_by_scaler(scaler)
+        defer = self._may_defer(skip_staged, scaler)
+        infos, grad_of = self.placement.infos, self.adapter.grad_of
+        self.gate.keep_alive(local(g) for c in chunks for i in c.params if (g := grad_of(infos[i].param)) is not None)
+        resting = self.phase.phase
+        self.phase.to(Phase.STEPPING)
+        try:
+            step = self.context.open(scaler)
+            try:
+                self.schedule.run(chunks, step, skip_staged=skip_staged, defer=defer)
+            finally:
+                step.close()
+        except BaseException:
+            self.phase.to(Phase.IDLE)
+            if resting is Phase.ACCUMULATING:
+                self.phase.to(Phase.ACCUMULATING)
+            self.gate.join()  # the caller's stream goes on only after whatever the failed step enqueued
+            raise
+        self.phase.to(Phase.DEFERRED if self.schedule.deferred is not None else Phase.IDLE)
+        if resting is Phase.ACCUMULATING:  # a plain step inside the block: nothing is left deferred past it
+            self.flush()
+            self.phase.to(Phase.ACCUMULATING)
+        record = self.last_step = step.record
+        if self.overlap and not self.gate.attached:
+            self.notices.warn(
+                "overlap-unattached",
+                "overlap=True without an attached model: step() makes the caller's stream wait for the whole step, "
+                "so nothing overlaps it. Call opt.attach(model) so that each module's forward waits for its own params",
+            )
+            self.gate.join()  # no module waits for its own params: the next forward must wait for the whole step
+        logger.debug(
+            "step: %d of %d chunks, %.1f MiB H2D, %.1f MiB D2H, %.1f MiB D2D, window %.1f MiB",
+            record.chunks, len(self.placement.plan.all_chunks), record.h2d / _MIB, record.d2h / _MIB,
+            record.d2d / _MIB, record.window / _MIB,
+        )  # fmt: skip
+        self.context.run_inner_hooks("_optimizer_step_post_hooks", args, kwargs)
+        return loss
+
+    def chunks_to_step(self) -> list[Chunk]:
+        """Check that a step can run, bring the layout up to date; the chunks with at least one grad."""
+        self.flush()  # the last step's deferred chunks go first
+        self.context.prepare()
+        infos = self.placement.infos
+        check_grads(infos, self.adapter)
+        if self.phase.resting is Phase.OFFLOADED:
+            self.placement.reload(non_blocking=False)
+        grad_of = self.adapter.grad_of
+        return [c for c in self.placement.plan.all_chunks if any(grad_of(infos[i].param) is not None for i in c.params)]
+
+    def _may_defer(self, skip_staged: bool, scaler: Mapping[str, torch.Tensor]) -> bool:
+        """Whether this step may leave its later chunks to the forwards that read them ([Note: Deferred chunks])."""
+        return (
+            self.overlap
+            and self.gate.attached > 0
+            and not skip_staged
+            and not scaler
+            and not self._has_post_hooks()  # a post-hook expects the step done (an EMA of the weights)
+        )
+
+    def _has_post_hooks(self) -> bool:
+        inner_hooks = getattr(self.inner, "_optimizer_step_post_hooks", {})
+        return bool(self.post_hooks or inner_hooks or torch_optimizer._global_optimizer_post_hooks)
+
+    def prefetch(self) -> None:
+        if self.step_in_backward:
+            return  # the backward pass brings the chunks in itself
+        self.schedule.prefetch(self.chunks_to_step())
+
+    # ------------------------------------------------------------------ the step in the backward pass
+    def grad_final(self, param: torch.Tensor) -> None:
+        """A param's grad is final in this backward pass ([Note: Step in backward])."""
+        if self.phase.phase is Phase.ACCUMULATING:
+            return
+        index = self.placement.binding.index_of(param)
+        if index is None:
+            return
+        backward = self.backward
+        if backward is None:
+            backward = self._open_backward()
+        elif backward.closed:
+            raise RuntimeError(
+                "a second backward pass would step again before step() was called for the first; call step() after "
+                "each backward, or run the backward passes that must not step inside opt.accumulating()"
+            )
+        backward.close_with_backward()
+        backward.grad_ready(index)
+
+    def _open_backward(self) -> BackwardStep:
+        """The first final grad of a backward: the checks and opening of ``step()``, then the first H2D."""
+        self.phase.require("a backward pass that steps", Phase.IDLE, Phase.OFFLOADED)
+        self.context.prepare()
+        if self.phase.resting is Phase.OFFLOADED:
+            self.placement.reload(non_blocking=False)
+        self.pipeline.drop_prefetch()
+        self.context.run_inner_hooks("_optimizer_step_pre_hooks", (), {})
+        self.phase.to(Phase.IN_BACKWARD)
+        try:
+            step = self.context.open({})
+        except BaseException:
+            self.phase.to(Phase.IDLE)
+            raise
+
+        def on_close(aborted: bool) -> None:
+            step.close()
+            if aborted:  # the exception leaves the backward; a later step() steps what has grads, as plain torch
+                self.backward = None
+                self.phase.to(Phase.IDLE)
+
+        expected = list(reversed(self.placement.plan.all_chunks))
+        backward = self.backward = BackwardStep(self.pipeline, self.adapter, expected, step, on_close)
+        self.last_step = step.record
+        backward.begin()
+        return backward
+
+    def _finish_in_backward(self, scaler: Mapping[str, torch.Tensor]) -> None:
+        """``step()`` after a backward that stepped: refuse what changed the grads after their update."""
+        backward = self.backward
+        if backward is not None and not backward.closed:
+            backward.close()  # its backward was nested in one that never reached a hook (checkpointing)
+        self.backward = None
+        self.phase.rest(Phase.IDLE)
+        if scaler:
+            raise RuntimeError(
+                "GradScaler with step_in_backward=True: the backward pass stepped with the scaled grads before the "
+                "scaler could unscale them or skip the step. Use step_in_backward=False with loss scaling"
+            )
+        infos, grad_of = self.placement.infos, self.adapter.grad_of
+        versions = backward.versions if backward is not None else {}
+        changed = [i for i, v in versions.items() if (g := grad_of(infos[i].param)) is not None and g._version != v]
+        if changed:
+            raise RuntimeError(
+                f"the grads of {len(changed)} params (first: param {changed[0]}) were changed after the backward pass "
+                "had stepped with them (gradient clipping or unscaling, or a second backward before step()?); with "
+                "step_in_backward=True the update uses the grads as the backward leaves them. Use "
+                "step_in_backward=False to clip"
+            )
+        if not self.gate.attached:
+            self.gate.join()  # no module waits for its own params: the next forward waits for the whole step
+
+    @contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Backward passes inside do not step (``step_in_backward``); the phase goes back where it was after."""
+        if not self.step_in_backward:
+            self.notices.warn(
+                "accumulating",
+                "opt.accumulating() does nothing without step_in_backward=True: backward passes never step then, "
+                "and step() steps with the accumulated grads. Leave the block out",
+            )
+            yield
+            return
+        self.flush()
+        outer = self.phase.phase
+        if outer is Phase.ACCUMULATING:
+            yield
+            return
+        self.phase.require("opt.accumulating()", Phase.IDLE, Phase.OFFLOADED, Phase.IN_BACKWARD)
+        self.phase.resume = outer
+        self.phase.to(Phase.ACCUMULATING)
+        try:
+            yield
+        finally:
+            self.phase.to(self.phase.resume)
+
+    # ------------------------------------------------------------------ waiting for the step
+    def flush(self) -> None:
+        """Enqueue every deferred chunk of the last step."""
+        if self.phase.phase is Phase.DEFERRED:
+            self.schedule.advance(None)
+
+    def join(self) -> None:
+        """Order the caller's stream after the whole last step."""
+        self.flush()
+        self.gate.join()
+
+    def synchronize(self) -> None:
+        """Block the host until the last step's updates and write-backs have landed."""
+        self.flush()
+        self.gate.synchronize()
+        self.pipeline.engine.synchronize()
+
+    def wait_for(self, indices: list[int]) -> None:
+        """Before a forward reads these params: enqueue their deferred chunks, and wait for their updates."""
+        if self.phase.phase is Phase.DEFERRED:
+            self.schedule.advance(indices)
+        self.gate.wait_params(indices)
+
+    def index_of(self, param: torch.Tensor) -> int | None:
+        return self.placement.binding.index_of(param)
+
+    def attached(self, delta: int) -> None:
+        self.gate.attached += delta
+
+    def stats(self) -> StepStats | None:
+        self.flush()
+        if self.last_step is None:
+            return None
+        placement = self.placement
+        return self.last_step.stats(placement.resident_device_bytes, placement.pinned_host_bytes)
+
+    # ------------------------------------------------------------------ moving the resident state
+    def offload(self, non_blocking: bool) -> MoveHandle:
+        self.join()
+        self.phase.require("offload()", Phase.IDLE, Phase.OFFLOADED, Phase.ACCUMULATING)
+        self.placement.sync()
+        return self.placement.offload(non_blocking)
+
+    def reload(self, non_blocking: bool) -> MoveHandle:
+        self.join()
+        self.phase.require("reload()", Phase.IDLE, Phase.OFFLOADED, Phase.ACCUMULATING)
+        return self.placement.reload(non_blocking)
