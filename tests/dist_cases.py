@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from chunked_offload import ChunkedOffloadOptimizer
+from chunked_offload import ChunkedOffloadOptimizer, Phase
 
 STEPS = 20
 
@@ -165,16 +165,13 @@ def fsdp2_dcp_roundtrip(rank: int, world: int, port: int, backend: str, path: st
 
 
 def fsdp2_refusals(rank: int, world: int, port: int, backend: str, result: Any) -> None:
-    """Muon over sharded matrices and wrapper masters over DTensor params are refused with clear errors."""
+    """Muon over sharded matrices is refused with a clear error."""
     device = _init(rank, world, port, backend)
     try:
         model = _shard(_model(device))
         messages = []
         matrices = [p for p in model.parameters() if p.dim() == 2]
-        for make, kw in (
-            (lambda: torch.optim.Muon(matrices, lr=1e-2), {}),
-            (lambda: torch.optim.AdamW(model.parameters()), {"master_weights": "fp32"}),
-        ):
+        for make, kw in ((lambda: torch.optim.Muon(matrices, lr=1e-2), {}),):
             try:
                 ChunkedOffloadOptimizer(make(), **kw)
             except (TypeError, ValueError) as exc:
@@ -219,5 +216,123 @@ def fsdp2_gpu_window(rank: int, world: int, port: int, backend: str, result: Any
         wrapped.synchronize()
         _assert_same(plain_model, wrapped_model, plain, wrapped)
         result[rank] = (max(peaks), wrapped.plan.window_bound_nbytes)
+    finally:
+        dist.destroy_process_group()
+
+
+def fsdp2_masters(rank: int, world: int, port: int, backend: str, mode: str, gating: str, result: Any) -> None:
+    """bf16 sharded params with the wrapper's offloaded masters equal FSDP2 with a resident fp32-master loop, in
+    every iteration mode (``gating``: none, overlap with an attached model, step_in_backward)."""
+    device = _init(rank, world, port, backend)
+    try:
+        plain_model = _shard(_model(device).to(torch.bfloat16))
+        wrapped_model = _shard(_model(device).to(torch.bfloat16))
+        masters = [torch.nn.Parameter(p.detach().float()) for p in plain_model.parameters()]
+        ref = INNERS["adamw-foreach"](masters)
+        wrapped = ChunkedOffloadOptimizer(
+            INNERS["adamw-foreach"](wrapped_model.parameters()),
+            chunk_size_mb=0.002,
+            master_weights=mode,
+            overlap=gating == "overlap",
+            step_in_backward=gating == "backward",
+        )
+        if gating != "none":
+            wrapped.attach(wrapped_model)
+        for step in range(STEPS):
+            x, y = (t.to(torch.bfloat16) for t in _batch(step, rank, device))
+            for model in (plain_model, wrapped_model):
+                torch.nn.functional.mse_loss(model(x).float(), y.float()).backward()
+            for m, p in zip(masters, plain_model.parameters(), strict=True):
+                m.grad = p.grad.float()
+            ref.step()
+            for m, p in zip(masters, plain_model.parameters(), strict=True):
+                p.detach().copy_(m.detach())  # round to nearest even
+            ref.zero_grad()
+            plain_model.zero_grad()
+            if gating == "backward":
+                assert wrapped.phase is Phase.IN_BACKWARD  # FSDP2's reduce-scatter ran the grad hooks
+            wrapped.step()
+            if gating == "overlap" and step > 0:
+                assert wrapped.phase is Phase.DEFERRED  # the next forward's hooks enqueue the rest
+            wrapped.zero_grad()
+        wrapped.synchronize()
+        assert wrapped.stats is not None and wrapped.stats.chunks > 2
+        for pa, pb in zip(plain_model.parameters(), wrapped_model.parameters(), strict=True):
+            assert torch.equal(_local(pa.detach()), _local(pb.detach())), "params differ"
+        got = dict(wrapped.master_params())
+        for m, p in zip(masters, wrapped_model.parameters(), strict=True):
+            assert torch.equal(_local(m.detach()).cpu(), got[p].cpu()), "masters differ"
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(_local(ref.state[m][key]).cpu(), _local(wrapped.state[p][key]).cpu()), key
+                assert type(wrapped.state[p][key]) is type(ref.state[m][key])
+        result[rank] = sum(_local(p).numel() for p in wrapped_model.parameters())
+    finally:
+        dist.destroy_process_group()
+
+
+def fsdp2_gpu_masters(rank: int, world: int, port: int, backend: str, gating: str, result: Any) -> None:
+    """FSDP2 on GPUs, bf16 params and offloaded fp32 masters, each chunk's step slowed so that a missing wait shows:
+    bitwise against a resident fp32-master loop; returns the peak memory of an iteration, wrapped and resident."""
+    device = _init(rank, world, port, backend)
+    try:
+        from torch.distributed.fsdp import fully_shard
+
+        from chunked_offload.stepping import ChunkStepper
+
+        original = ChunkStepper._narrowed_step
+
+        def slowed(self: Any, *args: Any, **kwargs: Any) -> Any:
+            torch.cuda._sleep(20_000_000)  # about 10 ms on the stream the chunk steps on
+            return original(self, *args, **kwargs)
+
+        ChunkStepper._narrowed_step = slowed  # type: ignore[method-assign]
+
+        def model() -> torch.nn.Module:
+            torch.manual_seed(0)
+            m = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).to(device, torch.bfloat16)
+            for layer in m:
+                fully_shard(layer)
+            return fully_shard(m)
+
+        plain_model, wrapped_model = model(), model()
+        masters = [torch.nn.Parameter(p.detach().float()) for p in plain_model.parameters()]
+        ref = torch.optim.AdamW(masters, lr=1e-3, fused=True)
+        wrapped = ChunkedOffloadOptimizer(
+            torch.optim.AdamW(wrapped_model.parameters(), lr=1e-3, fused=True),
+            chunk_size_mb=16,
+            master_weights="fp32",
+            overlap=gating == "overlap",
+            step_in_backward=gating == "backward",
+        )
+        wrapped.attach(wrapped_model)
+        peaks: dict[str, int] = {"wrapped": 0, "resident": 0}
+        for step in range(5):
+            gen = torch.Generator(device=device).manual_seed(step)
+            x = torch.randn(256, 2048, generator=gen, device=device, dtype=torch.bfloat16)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            plain_model(x).float().square().mean().backward()
+            for m, p in zip(masters, plain_model.parameters(), strict=True):
+                m.grad = p.grad.float()
+            ref.step()
+            for m, p in zip(masters, plain_model.parameters(), strict=True):
+                p.detach().copy_(m.detach())
+            ref.zero_grad()
+            plain_model.zero_grad()
+            torch.cuda.synchronize()
+            peaks["resident"] = max(peaks["resident"], torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+            wrapped_model(x).float().square().mean().backward()
+            wrapped.step()
+            wrapped.zero_grad()
+            torch.cuda.synchronize()
+            peaks["wrapped"] = max(peaks["wrapped"], torch.cuda.max_memory_allocated())
+        wrapped.synchronize()
+        for pa, pb in zip(plain_model.parameters(), wrapped_model.parameters(), strict=True):
+            assert torch.equal(_local(pa.detach()), _local(pb.detach())), "params differ"
+        got = dict(wrapped.master_params())
+        for m, p in zip(masters, wrapped_model.parameters(), strict=True):
+            assert torch.equal(_local(m.detach()).cpu(), got[p].cpu()), "masters differ"
+        result[rank] = peaks
     finally:
         dist.destroy_process_group()

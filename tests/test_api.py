@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import pytest
@@ -200,14 +199,16 @@ def test_editing_param_groups_by_hand_matches_unwrapped() -> None:
     assert_states_equal(ref, ref_params + extra_ref, opt, params + extra)
 
 
-def test_unknown_optimizers_use_the_probing_adapter_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+def test_unknown_optimizers_use_the_probing_adapter_with_a_warning() -> None:
+    from chunked_offload import ChunkedOffloadWarning
+
     class MyAdam(torch.optim.Adam):
         pass
 
     ref_params, params = make_params(ODD_SHAPES), make_params(ODD_SHAPES)
-    with caplog.at_level(logging.WARNING):
+    with pytest.warns(ChunkedOffloadWarning, match="probing its state layout") as record:
         opt = ChunkedOffloadOptimizer(MyAdam(params, lr=1e-2), chunk_size_mb=0.004)
-    assert "probing its state layout" in caplog.text
+    assert record[0].filename == __file__  # the warning points at the line that built the wrapper
     assert opt.adapter.name == "generic"
     ref = torch.optim.Adam(ref_params, lr=1e-2)
     run_steps(ref, ref_params, 5)
@@ -242,3 +243,30 @@ def test_amsgrad_switched_on_for_fresh_state_is_planned_automatically() -> None:
         run_steps(o, ps, 3, first_step=1)
     assert "max_exp_avg_sq" in opt.state[params[0]]
     assert_states_equal(ref, ref_params, opt, params)
+
+
+def test_settings_that_do_nothing_say_so_once_with_a_filterable_category() -> None:
+    import warnings
+
+    from chunked_offload import ChunkedOffloadWarning
+
+    model = torch.nn.Linear(4, 4)
+    with pytest.warns(ChunkedOffloadWarning, match="master_weights='fp32' does nothing here.*float32"):
+        opt = ChunkedOffloadOptimizer(torch.optim.AdamW(model.parameters()), master_weights="fp32")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        opt.attach(model)
+        opt.attach(model)
+        with opt.accumulating():
+            model(torch.ones(2, 4)).sum().backward()
+        with opt.accumulating():
+            pass
+    messages = [str(w.message) for w in record if issubclass(w.category, ChunkedOffloadWarning)]
+    assert len(messages) == 2, messages  # each once per wrapper, even under "always"
+    assert "attach(model) does nothing without overlap=True" in messages[0]
+    assert "accumulating() does nothing without step_in_backward=True" in messages[1]
+    assert all(w.filename == __file__ for w in record)  # they point at the user's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", category=ChunkedOffloadWarning)  # users can silence them
+        ChunkedOffloadOptimizer(torch.optim.AdamW(torch.nn.Linear(2, 2).parameters()), master_weights="fp32")

@@ -103,7 +103,7 @@ def test_the_forward_hooks_add_at_most_one_graph_break_per_attached_module_and_a
     assert explained.graph_break_count <= len(handle) == 5, explained.break_reasons
     waited: list[list[int]] = []
     original = opt._gate.wait_params
-    opt._gate.wait_params = lambda indices: (waited.append(list(indices)), original(indices))[1]  # type: ignore
+    opt._gate.wait_params = lambda indices, streams=(): (waited.append(list(indices)), original(indices))[1]  # type: ignore
     torch.compile(model)(x)
     assert sorted(i for w in waited for i in w) == list(range(len(opt.plan.bundles)))  # every hook ran, at run time
 

@@ -128,3 +128,99 @@ def test_accelerate_prepare_of_an_optimizer_with_state_matches_the_plain_optimiz
     wrapped = accelerate_run(True, 3, 5)
     for a, b in zip(plain.parameters(), wrapped.parameters(), strict=True):
         assert_equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["overlap", "backward"])
+def test_accelerate_with_an_attached_model_matches_the_plain_optimizer(mode: str) -> None:
+    """The recipe: wrap, attach the model, then hand both to accelerate.prepare()."""
+    accelerate = pytest.importorskip("accelerate")
+
+    def run(wrapped: bool) -> torch.nn.Module:
+        model = make_model(0)
+        opt: Any = make_inner(model)
+        if wrapped:
+            opt = ChunkedOffloadOptimizer(
+                opt, chunk_size_mb=0.002, overlap=mode == "overlap", step_in_backward=mode == "backward"
+            )
+            opt.attach(model)
+        accelerator = accelerate.Accelerator(cpu=True)
+        model, opt = accelerator.prepare(model, opt)
+        x, y = make_data().tensors
+        for step in range(8):
+            accelerator.backward(torch.nn.functional.mse_loss(model(x[step::8]), y[step::8]))
+            opt.step()
+            opt.zero_grad()
+        if wrapped:
+            opt.optimizer.wait_step()  # the params are read below, outside the model's forward
+        accelerate.state.AcceleratorState._reset_state(True)
+        return model
+
+    for a, b in zip(run(False).parameters(), run(True).parameters(), strict=True):
+        assert_equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------------- HF transformers
+def tiny_llama(seed: int = 0) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=16,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config)
+    model.config.use_cache = False
+    return model
+
+
+def test_hf_trainer_with_an_overlapped_wrapper_matches_the_plain_optimizer(tmp_path: Path) -> None:
+    """The recipe: build the wrapper, attach the model, then pass the optimizer to the Trainer."""
+    transformers = pytest.importorskip("transformers")
+    ids = torch.randint(0, 64, (16, 12), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+
+    def run(wrapped: bool) -> torch.nn.Module:
+        model = tiny_llama()
+        opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if wrapped:
+            opt = ChunkedOffloadOptimizer(opt, chunk_size_mb=0.01, overlap=True)
+            opt.attach(model)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / str(wrapped)), max_steps=6, per_device_train_batch_size=4, use_cpu=True,
+            report_to=[], save_strategy="no", logging_strategy="no", seed=0, dataloader_num_workers=0,
+        )  # fmt: skip
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data, optimizers=(opt, sched))
+        trainer.train()
+        return model
+
+    plain, wrapped = run(False), run(True)
+    for (name, a), b in zip(plain.named_parameters(), wrapped.parameters(), strict=True):
+        assert_equal(a, b, name)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("mode", ["overlap", "backward"])
+def test_hf_gradient_checkpointing_matches_the_synchronous_loop(mode: str, reentrant: bool) -> None:
+    def run(mode: str) -> torch.nn.Module:
+        model = tiny_llama()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.train()
+        opt = ChunkedOffloadOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2),
+            chunk_size_mb=0.01,
+            overlap=mode == "overlap",
+            step_in_backward=mode == "backward",
+        )
+        if mode != "sync":
+            opt.attach(model)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            ids = torch.randint(0, 64, (2, 12), generator=gen)
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        opt.wait_step()
+        return model
+
+    for (name, a), b in zip(run("sync").named_parameters(), run(mode).parameters(), strict=True):
+        assert_equal(a, b, name)

@@ -12,6 +12,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "chunked_offload"
 
 # Lowest first: a module may import only modules before it.
 ORDER = [
+    "notices",
     "planner",
     "host_arena",
     "masters",
@@ -22,6 +23,7 @@ ORDER = [
     "adapters.emerging",
     "adapters",
     "state_table",
+    "dtensor",
     "layout",
     "checks",
     "staging",

@@ -1,10 +1,10 @@
 """chunked_offload: keep optimizer state in host memory and step it chunk by chunk on the GPU."""
 
 from .adapters import Adapter, GenericAdapter, KeyedAdapter, TEFusedAdamAdapter
-from .checks import ChunkedOffloadWarning
 from .host_arena import HostArena
 from .layout import IncompatibleStateError
 from .masters import MasterMode
+from .notices import ChunkedOffloadWarning
 from .optimizer import ChunkedOffloadOptimizer
 from .phase import Phase
 from .planner import Bundle, Chunk, ChunkPlan, Home, Role, TensorSpec, plan_chunks

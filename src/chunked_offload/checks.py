@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from .adapters import Adapter
-from .layout import ParamInfo, is_dtensor
-from .masters import MasterMode
+from .dtensor import is_dtensor
+from .layout import ParamInfo
+from .masters import MasterMode, needs_master
+from .notices import warn
 from .state_table import StateTable
 
 __all__ = [
-    "ChunkedOffloadWarning",
-    "Notices",
     "check_grads",
     "check_inner",
     "check_master_mode",
@@ -26,22 +25,6 @@ __all__ = [
     "check_sharding",
     "common_device",
 ]
-
-
-class ChunkedOffloadWarning(UserWarning):
-    """A setting or call that does less than it says (``warnings.filterwarnings("ignore", category=...)``)."""
-
-
-class Notices:
-    """Warnings one wrapper gives at most once each, whatever the warnings filter."""
-
-    def __init__(self) -> None:
-        self._given: set[str] = set()
-
-    def warn(self, key: str, message: str) -> None:
-        if key not in self._given:
-            self._given.add(key)
-            warnings.warn(message, ChunkedOffloadWarning, stacklevel=3)
 
 
 def check_options(
@@ -131,24 +114,12 @@ def check_params(groups: Sequence[Mapping[str, Any]]) -> None:
             seen[id(p)] = (gi, pi)
 
 
-def check_sharding(groups: Sequence[Mapping[str, Any]], adapter: Adapter, mode: MasterMode, overlap: bool) -> None:
-    """DTensor params: refuse wrapper masters, overlap, and sharded params where the update needs whole ones."""
+def check_sharding(groups: Sequence[Mapping[str, Any]], adapter: Adapter) -> None:
+    """DTensor params: refuse sharded params where the update needs whole ones."""
     for gi, group in enumerate(groups):
         for p in group["params"]:
             if not is_dtensor(p):
                 continue
-            if overlap:
-                raise ValueError(
-                    f"overlap=True or step_in_backward=True with DTensor params (param group {gi}): FSDP2 all-gathers "
-                    "a module's params before (and prefetches them ahead of) its forward, outside the hooks that "
-                    "would wait for their update. Use overlap=False and step_in_backward=False with FSDP2"
-                )
-            if mode is not MasterMode.NONE:
-                raise ValueError(
-                    f"master_weights={mode.value!r} with DTensor params (param group {gi}): keep FSDP2's sharded "
-                    "params in fp32 and compute in bf16 with MixedPrecisionPolicy(param_dtype=torch.bfloat16) "
-                    "instead; the sharded fp32 params are then the masters. Use master_weights='none'"
-                )
             placements = getattr(p, "placements", ())
             if adapter.whole_params and any(type(pl).__name__ in ("Shard", "_StridedShard") for pl in placements):
                 raise TypeError(
@@ -183,6 +154,11 @@ def check_master_mode(inner: torch.optim.Optimizer, adapter: Adapter, mode: Mast
     bad = sorted({str(p.dtype) for p in params if not p.is_floating_point()})
     if bad:
         raise ValueError(f"master_weights={mode.value!r} needs floating-point params, got params of dtype {bad}")
+    if mode is MasterMode.FP32 and params and not any(needs_master(p, mode) for p in params):
+        warn(
+            f"master_weights='fp32' does nothing here: every param is {sorted({str(p.dtype) for p in params})}, "
+            "and only bf16/fp16 params get a master. Use master_weights='none'"
+        )
     if mode is MasterMode.REMAINDER:
         dtypes = {p.dtype for p in params}
         if torch.float16 in dtypes:

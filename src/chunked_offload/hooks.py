@@ -23,7 +23,7 @@ opaque = torch.compiler.disable
 class Runtime(Protocol):
     """What the hooks call (``runner.StepRunner``)."""
 
-    def wait_for(self, indices: list[int]) -> None: ...
+    def wait_for(self, indices: list[int], streams: Sequence[torch.cuda.Stream] = ()) -> None: ...
 
     def flush(self) -> None: ...
 
@@ -39,26 +39,38 @@ class Runtime(Protocol):
 def attach(model: torch.nn.Module, runtime: Runtime) -> AttachHandle:
     """Gate the forward of every module of ``model`` that holds params on the updates of those params.
 
-    Each such module gets a forward pre-hook (prepended, so it runs before any other, FSDP2's included) that makes
-    the stream running the forward wait for its params' chunks, enqueuing them first if they were deferred. The
-    model's own forward hook enqueues what is left of a deferred step, so that nothing is deferred into the backward.
-    ``state_dict()`` and ``load_state_dict()`` of the model and of those modules join the step first: they read or
-    write the params.
+    [Note: Attached forward]
+    Each module with params of its own gets a forward pre-hook, prepended so that it runs before any other, that
+    makes the stream running the forward wait for the chunks of those params, enqueuing them first if they were
+    deferred. An FSDP2 unit (``fully_shard``) waits for every param it manages (its subtree's, less nested units'),
+    and makes FSDP2's all-gather streams wait too, before its own pre-forward hook all-gathers them; with explicit
+    forward prefetching it waits for the units it prefetches as well. The model's own forward hook enqueues what is
+    left of a deferred step and orders the backward after the whole step (so nothing of the step runs beside the
+    backward's writes into the grads). ``state_dict()`` and ``load_state_dict()`` of the model and of those modules
+    join the step first: they read or write the params.
     """
     ref = weakref.ref(runtime)  # the model must not keep the wrapper (and its host memory) alive
+    units = _fsdp_units(model)
+
+    def params_of(module: torch.nn.Module) -> list[torch.Tensor]:
+        if module in units:
+            prefetched = getattr(_fsdp_state(module), "_states_to_forward_prefetch", [])
+            extra = [p for state in prefetched for m in getattr(state, "_modules", ()) for p in units.get(m, [])]
+            return [*units[module], *extra]
+        return [p for p in module._parameters.values() if p is not None]
 
     @opaque
     def before_forward(module: torch.nn.Module, args: Any) -> None:
         target = ref()
         if target is not None:
-            own = (target.index_of(p) for p in module._parameters.values() if p is not None)
-            target.wait_for([i for i in own if i is not None])
+            own = (target.index_of(p) for p in params_of(module))
+            target.wait_for([i for i in own if i is not None], _all_gather_streams(module) if module in units else ())
 
     @opaque
     def after_forward(module: torch.nn.Module, args: Any, output: Any) -> None:
         target = ref()
         if target is not None:
-            target.flush()
+            target.join()
 
     @opaque
     def before_state_dict(module: torch.nn.Module, *args: Any) -> None:
@@ -66,14 +78,41 @@ def attach(model: torch.nn.Module, runtime: Runtime) -> AttachHandle:
         if target is not None:
             target.join()
 
-    with_params = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
-    handles = [m.register_forward_pre_hook(before_forward, prepend=True) for m in with_params]
+    gated = [m for m in model.modules() if m in units or any(True for _ in m.parameters(recurse=False))]
+    handles = [m.register_forward_pre_hook(before_forward, prepend=True) for m in gated]
     readers = []
-    for module in {id(m): m for m in [model, *with_params]}.values():
+    for module in {id(m): m for m in [model, *gated]}.values():
         readers.append(module.register_state_dict_pre_hook(before_state_dict))
         readers.append(module.register_load_state_dict_pre_hook(before_state_dict))
     runtime.attached(+1)
     return AttachHandle(handles, model.register_forward_hook(after_forward), readers, ref)
+
+
+def _fsdp_units(model: torch.nn.Module) -> dict[torch.nn.Module, list[torch.Tensor]]:
+    """Each FSDP2 unit of ``model`` and the (sharded) params it manages: its subtree's, less nested units'."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return {}
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    nested = {id(m): {id(p) for n in units if n is not m and _within(n, m) for p in n.parameters()} for m in units}
+    return {m: [p for p in m.parameters() if id(p) not in nested[id(m)]] for m in units}
+
+
+def _within(inner: torch.nn.Module, outer: torch.nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
+
+
+def _fsdp_state(module: torch.nn.Module) -> Any:
+    get_state = getattr(module, "_get_fsdp_state", None)
+    return get_state() if get_state is not None else None
+
+
+def _all_gather_streams(module: torch.nn.Module) -> list[torch.cuda.Stream]:
+    """FSDP2's all-gather streams (created at its first forward), which read the sharded params beside the forward."""
+    context = getattr(_fsdp_state(module), "_comm_ctx", None)
+    names = ("all_gather_copy_in_stream", "all_gather_stream")
+    return [s for s in (getattr(context, n, None) for n in names) if isinstance(s, torch.cuda.Stream)]
 
 
 class AttachHandle:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -11,17 +10,14 @@ from typing import Any
 import torch
 
 from .adapters import Adapter, spec_of
+from .dtensor import like_param, local, planning_weight, same_tensor
 from .host_arena import HostArena, typed_view
 from .masters import MASTER, REMAINDER, TIE_BITS, MasterMode, master_specs, needs_master
-from .planner import Bundle, Chunk, ChunkPlan, Home, Role, TensorSpec, align, dense_spec, plan_chunks, window_bound
+from .planner import Bundle, Chunk, ChunkPlan, Home, Role, TensorSpec, dense_spec, plan_chunks, window_bound
 from .state_table import bind
 
 __all__ = [
     "BACKUP",
-    "is_dtensor",
-    "like_param",
-    "local",
-    "same_tensor",
     "IncompatibleStateError",
     "Layout",
     "ParamInfo",
@@ -45,61 +41,6 @@ Views = dict[int, dict[str, torch.Tensor]]
 BACKUP = "~backup"
 
 Signature = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
-
-try:  # DTensor params (FSDP2): the wrapper offloads each rank's local shard
-    from torch.distributed.tensor import DTensor, Shard
-except ImportError:  # a torch built without distributed
-    DTensor = Shard = None  # type: ignore[assignment,misc]
-
-
-def is_dtensor(t: object) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (what this rank stores and moves), or the tensor itself."""
-    return t._local_tensor if is_dtensor(t) else t  # type: ignore[attr-defined]
-
-
-def like_param(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """``t`` (a local tensor) as the inner optimizer keeps state for ``param``: a DTensor placed like a DTensor param.
-
-    This is what ``torch.zeros_like(param)`` gives a DTensor param: the same mesh, placements, global shape and strides,
-    over ``t`` itself. ``DTensor.from_local`` would copy a host ``t`` to the mesh's device; the DTensor is built
-    directly instead, so a host home stays on the host (as DCP's own CPU offload builds them).
-    """
-    if not is_dtensor(param):
-        return t
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-
-    p: Any = param
-    spec = DTensorSpec(p.device_mesh, tuple(p.placements), tensor_meta=TensorMeta(p.shape, p.stride(), t.dtype))
-    return DTensor(t, spec, requires_grad=False)
-
-
-def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors are views of the same bytes with the same layout (a DTensor's local view, say)."""
-    return a is b or (
-        a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
-    )
-
-
-def planning_weight(p: torch.Tensor, specs: Sequence[TensorSpec]) -> int | None:
-    """The bytes a DTensor param's bundle counts for when packing chunks: the same on every rank.
-
-    Uneven shards differ in size between ranks; packing by their padded size (``ceil(size / shards)`` along each
-    sharded dimension) gives every rank the same chunk membership, which tensor-parallel inner optimizers need.
-    None for a plain tensor (pack by its real bytes).
-    """
-    if not is_dtensor(p):
-        return None
-    d: Any = p
-    shape = list(d.shape)
-    for mesh_dim, placement in enumerate(d.placements):
-        if Shard is not None and isinstance(placement, Shard):
-            shape[placement.dim] = -(-shape[placement.dim] // d.device_mesh.size(mesh_dim))
-    numel = math.prod(shape)
-    return sum(align(numel * s.dtype.itemsize) for s in specs)
 
 
 class IncompatibleStateError(RuntimeError, KeyError):
@@ -438,6 +379,6 @@ def _seed_master(
         if old is not None and key in old:
             home[key].copy_(old[key])
         elif key == MASTER:
-            home[key].copy_(info.param.detach())
+            home[key].copy_(local(info.param).detach())
         else:
             home[key].zero_()  # the master equals the param exactly: remainder 0, no ties

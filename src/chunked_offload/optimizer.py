@@ -7,14 +7,13 @@ import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
 from . import state_dict as checkpoint
 from .adapters import Adapter, check_groups, resolve_adapter
 from .checks import (
-    Notices,
     check_inner,
     check_master_mode,
     check_not_wrapped,
@@ -27,6 +26,7 @@ from .context import StepContext, scaler_tensors
 from .hooks import AttachHandle, attach, opaque, register_grad_hooks, weak_callback
 from .layout import Layout
 from .masters import MasterMode
+from .notices import Notices
 from .overlap import StepGate
 from .phase import Phase, PhaseMachine
 from .pipeline import ChunkPipeline
@@ -62,8 +62,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
     ``opt.param_groups`` and ``opt.state`` are the inner optimizer's own objects, so LR schedulers, ``zero_grad``
     and ``add_param_group`` act on the inner optimizer. Tensors assigned into ``opt.state`` are copied into the host
     copies at once. Edits of ``param_groups``, params and hyperparameters are picked up at the next step, which
-    re-plans where plain torch would carry on and refuses, before anything is modified, where it would fail. A
-    ``step()`` that raises leaves the chunks before the failing one committed and the rest untouched.
+    re-plans where plain torch would carry on and refuses, before anything is modified, where it would fail.
 
     Args:
         inner: the optimizer instance to wrap (for example ``torch.optim.AdamW(..., fused=True)``).
@@ -103,19 +102,20 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         step_in_backward: bool = False,
     ) -> None:
         check_inner(inner, ChunkedOffloadOptimizer)
-        check_options(
-            chunk_size_mb=chunk_size_mb, offload_fraction=offload_fraction, num_slots=num_slots, pin_memory=pin_memory,
-            master_weights=master_weights, gpu_budget_mb=gpu_budget_mb, overlap=overlap,
-            step_in_backward=step_in_backward,
+        # What a copy of the wrapper is built with (__reduce_ex__), checked here.
+        self._options = dict(
+            chunk_size_mb=chunk_size_mb, offload_fraction=offload_fraction, num_slots=num_slots, overlap=overlap,
+            master_weights=master_weights, gpu_budget_mb=gpu_budget_mb, step_in_backward=step_in_backward,
         )  # fmt: skip
+        check_options(**self._options, pin_memory=pin_memory)
         check_not_wrapped(inner)
         check_groups(inner)
         check_params(inner.param_groups)
         mode = MasterMode(master_weights)
         self._inner = inner
-        self._adapter = resolve_adapter(inner, adapter)
+        self._adapter, self._adapter_given = resolve_adapter(inner, adapter), adapter is not None
         self._adapter.check_config()
-        check_sharding(inner.param_groups, self._adapter, mode, overlap or step_in_backward)
+        check_sharding(inner.param_groups, self._adapter)
         self.device = common_device(inner)
         check_master_mode(inner, self._adapter, mode)
         if pin_memory and self.device.type != "cuda":
@@ -153,9 +153,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
 
         phase = self._phase
         self._binding = StateBinding(before_home_write, self._adapter.is_offloaded, lambda: phase.stepping)
-        options = PlanOptions(
-            self.chunk_size_mb, num_slots, self.offload_fraction, self.gpu_budget_mb, overlap or step_in_backward
-        )
+        options = PlanOptions(self.chunk_size_mb, num_slots, self.offload_fraction, self.gpu_budget_mb)
         self._placement = Placement(
             inner, self._adapter, mode, options,
             device=self.device, pin=self.device.type == "cuda" if pin_memory is None else pin_memory,
@@ -169,6 +167,9 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
             overlap=overlap, step_in_backward=step_in_backward, post_hooks=self._optimizer_step_post_hooks,
         )  # fmt: skip
         runner_ref = weakref.ref(self._runner)
+        # A wrapper dropped with deferred chunks still updates its params: they are enqueued, and land, before the
+        # parts go (the finalizer holds the runner, not the wrapper).
+        weakref.finalize(self, self._runner.synchronize)
         original_state = inner.state
         try:
             self._placement.adopt_state()
@@ -238,17 +239,18 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
             f"chunks={0 if layout is None else len(layout.plan.chunks)})"
         )
 
-    def __reduce_ex__(self, protocol: Any) -> NoReturn:
-        raise TypeError(
-            "a ChunkedOffloadOptimizer cannot be pickled, deep-copied or torch.save()d: it owns page-locked host "
-            "memory and CUDA streams. Save opt.state_dict() instead, and rebuild the wrapper around a new inner "
-            "optimizer before opt.load_state_dict(...)"
-        )
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        """``pickle``, ``copy.deepcopy`` and ``torch.save``: a copy is a new wrapper, with an arena and streams of its
+        own, around a copy of the inner optimizer, loaded from this one's host copies (docs/state-dict.md)."""
+        self._runner.join()
+        self._placement.sync()
+        inner, adapter = checkpoint.portable(self._placement, self._adapter_given)
+        return (checkpoint.rebuild, (type(self), inner, {**self._options, "adapter": adapter}, self.state_dict()))
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
-        self.__reduce_ex__(4)
+    def __copy__(self) -> None:
+        raise TypeError("a shallow copy of a wrapper would share its host memory and streams; use copy.deepcopy(opt)")
 
-    def _on_install(self, layout: Layout) -> None:
+    def _on_install(self, layout: Layout) -> None:  # grad hooks on the params of each new layout
         if self.step_in_backward:
             for handle in self._grad_hooks:
                 handle.remove()
@@ -266,10 +268,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         return self._runner.step(closure, scaler_tensors(self.__dict__))
 
     def replan(self) -> None:
-        """Re-derive the chunk plan from the current params and state now, moving the host copies if it changed.
-
-        ``step()`` does this on its own when something changed; call it to pay the cost (and see errors) earlier.
-        """
+        """Re-plan from the current params and state now (``step()`` does it when needed; this pays it early)."""
         self._runner.join()
         self._placement.sync(force=True)
 
@@ -309,6 +308,12 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         """
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"attach() takes a torch.nn.Module, got {type(model).__name__}")
+        if not (self.overlap or self.step_in_backward):
+            self._notices.warn(
+                "attach",
+                "opt.attach(model) does nothing without overlap=True or step_in_backward=True: every step has "
+                "finished when step() returns. Pass overlap=True, or leave the call out",
+            )
         return attach(model, self._runner)
 
     def wait_step(self) -> None:
@@ -390,7 +395,6 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         Masters of offloaded params are host tensors. A master is read as the next step will use it
         ([Note: Edited params]); nothing is materialised on the GPU. Treat them as read-only.
         """
-        self._runner.join()
+        self._runner.synchronize()
         self._placement.sync()
-        self.synchronize()
         yield from self._placement.masters()

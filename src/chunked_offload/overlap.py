@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -121,17 +121,18 @@ class StepGate:
                 if group.get(key) is copy:
                     group[key] = value
 
-    def wait_params(self, indices: Iterable[int]) -> None:
-        """Order the current stream after the updates of the given params."""
+    def wait_params(self, indices: Iterable[int], streams: Sequence[torch.cuda.Stream] = ()) -> None:
+        """Order the current stream (and ``streams``: FSDP2's all-gather streams) after the given params' updates."""
         if not self.ready or self.stream is None:
             return
-        stream = torch.cuda.current_stream(self.stream.device)
+        readers = [torch.cuda.current_stream(self.stream.device), *streams]
         waited: set[int] = set()
         for i in indices:
             event = self.ready.get(i)
             if event is not None and id(event) not in waited:
-                # Without this wait the forward reads the param before its chunk has been stepped.
-                stream.wait_event(event)
+                for reader in readers:
+                    # Without this wait the forward (or an all-gather) reads the param before its chunk is stepped.
+                    reader.wait_event(event)
                 waited.add(id(event))
 
     def join(self) -> None:

@@ -11,7 +11,17 @@ import torch
 
 from .adapters import Adapter, check_groups
 from .checks import check_params, check_sharding
-from .layout import IncompatibleStateError, Layout, ParamInfo, describe, place, plan_layout, rehome_state, stale_reason
+from .dtensor import local
+from .layout import (
+    IncompatibleStateError,
+    Layout,
+    ParamInfo,
+    describe,
+    place,
+    plan_layout,
+    rehome_state,
+    stale_reason,
+)
 from .masters import MasterMode, needs_master, read_master, write_master
 from .overlap import StepGate
 from .phase import Phase, PhaseMachine
@@ -36,7 +46,6 @@ class PlanOptions:
     num_slots: int
     offload_fraction: float
     gpu_budget_mb: float | None
-    gated: bool  # overlap or step_in_backward: readers of the params wait for their chunks
 
 
 @dataclass
@@ -150,7 +159,7 @@ class Placement:
         logger.debug("re-planning: %s", reason)
         check_groups(self.inner)
         check_params(groups)
-        check_sharding(groups, self.adapter, self.mode, self.options.gated)
+        check_sharding(groups, self.adapter)
         try:
             prepared = self.build(groups, self.inner.state)
         except IncompatibleStateError:
@@ -242,10 +251,12 @@ class Placement:
                 yield info.param, self.read_master(info)
 
     def read_master(self, info: ParamInfo) -> torch.Tensor:
-        return read_master(self.require().homes[info.index], info.param, self.mode)
+        """A param's master (of its local shard, for a DTensor param) as the next step will use it."""
+        return read_master(self.require().homes[info.index], local(info.param), self.mode)
 
     def write_master(self, info: ParamInfo, master: torch.Tensor) -> None:
-        write_master(self.require().homes[info.index], info.param, master, self.mode)
+        """Set a param's master and the param itself (``master`` of its local shard, or a DTensor)."""
+        write_master(self.require().homes[info.index], local(info.param), local(master), self.mode)
 
     # ------------------------------------------------------------------ figures
     @property

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -11,10 +11,11 @@ import torch
 import torch.optim.optimizer as torch_optimizer
 
 from .adapters import Adapter
-from .checks import Notices, check_grads
+from .checks import check_grads
 from .context import StepContext, skipped_by_scaler
+from .dtensor import local
 from .in_backward import BackwardStep
-from .layout import local
+from .notices import Notices
 from .overlap import StepGate
 from .phase import Phase, PhaseMachine
 from .pipeline import ChunkPipeline
@@ -290,11 +291,11 @@ class StepRunner:
         self.gate.synchronize()
         self.pipeline.engine.synchronize()
 
-    def wait_for(self, indices: list[int]) -> None:
+    def wait_for(self, indices: list[int], streams: Sequence[torch.cuda.Stream] = ()) -> None:
         """Before a forward reads these params: enqueue their deferred chunks, and wait for their updates."""
         if self.phase.phase is Phase.DEFERRED:
             self.schedule.advance(indices)
-        self.gate.wait_params(indices)
+        self.gate.wait_params(indices, streams)
 
     def index_of(self, param: torch.Tensor) -> int | None:
         return self.placement.binding.index_of(param)

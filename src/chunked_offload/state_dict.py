@@ -9,13 +9,14 @@ from typing import Any
 
 import torch
 
-from .adapters import is_dense
-from .layout import local, stepped_like
+from .adapters import Adapter, is_dense
+from .dtensor import like_param, local
+from .layout import stepped_like
 from .placement import Placement
 from .planner import Role, TensorSpec
 from .state_table import bind
 
-__all__ = ["MASTER_KEY", "CheckpointEntry", "load", "save"]
+__all__ = ["MASTER_KEY", "CheckpointEntry", "load", "portable", "rebuild", "save"]
 
 # Where a wrapper-owned fp32 master goes in a checkpoint: one extra key in the param's own state entry. Plain
 # optimizers carry unknown keys along and never read them; DCP's optimizer state dict keeps them too.
@@ -81,7 +82,7 @@ def save(opt: torch.optim.Optimizer, placement: Placement, *, snapshot: bool) ->
     }
     for info in placement.infos:
         if info.has_master and info.index in state:
-            state[info.index][MASTER_KEY] = placement.read_master(info)
+            state[info.index][MASTER_KEY] = like_param(placement.read_master(info), info.param)
     if snapshot:
         state = {pid: {k: _host_copy(v) for k, v in entry.items()} for pid, entry in state.items()}
     sd["state"] = {pid: CheckpointEntry.of(entry) for pid, entry in state.items()}
@@ -263,3 +264,28 @@ def _check_tensor(where: str, key: str, value: Any, spec: TensorSpec | None) -> 
         raise ValueError(
             f"{where}: state {key!r} with strides {tuple(value.stride())} is not a dense tensor in the checkpoint"
         )
+
+
+def portable(placement: Placement, adapter_given: bool) -> tuple[torch.optim.Optimizer, Adapter | None]:
+    """The inner optimizer without its state, and its adapter if one was given: what a copy is rebuilt around.
+
+    The copy's state comes from the state dict (the host copies); the inner's own ``state`` holds views of this
+    wrapper's homes and is left out. An adapter passed explicitly goes with the copy, rebound to the copy's inner.
+    """
+    inner = placement.inner
+    bare = object.__new__(type(inner))
+    bare.__dict__.update({k: v for k, v in inner.__dict__.items() if k != "state"})
+    bare.__dict__["state"] = defaultdict(dict)
+    adapter = None
+    if adapter_given:
+        adapter = copy.copy(placement.adapter)
+        adapter.inner = bare
+    return bare, adapter
+
+
+def rebuild(cls: type, inner: torch.optim.Optimizer, options: dict[str, Any], state: dict[str, Any]) -> Any:
+    """A wrapper of class ``cls`` from what its ``__reduce_ex__`` gave: the inner without state, the options it was
+    built with, and its state dict."""
+    opt = cls(inner, **options)
+    opt.load_state_dict(state)
+    return opt

@@ -10,7 +10,8 @@ import torch
 from torch.autograd.profiler import record_function
 
 from .adapters import Adapter
-from .layout import BACKUP, Layout, ParamInfo, Views, like_param, local, same_tensor
+from .dtensor import like_param, local, same_tensor, show
+from .layout import BACKUP, Layout, ParamInfo, Views
 from .masters import (
     GRAD32,
     MASTER,
@@ -47,10 +48,13 @@ def raw_step(inner: torch.optim.Optimizer) -> Callable[[], Any]:
 
 @dataclass
 class _MasterSwap:
+    """A param that shows its fp32 master (and the fp32 grad) to the inner optimizer, until undone."""
+
     param: torch.Tensor
     data: torch.Tensor
     grad: torch.Tensor
     views: dict[str, torch.Tensor]
+    parts: Any = None  # what a DTensor param shows besides ``.data`` (``layout.show``)
     active: bool = True
 
 
@@ -111,7 +115,7 @@ def _undo_swap(swap: _MasterSwap) -> None:
     if swap.active:
         p = swap.param
         p.grad = None
-        p.data = swap.data
+        show(p, swap.data, swap.parts)
         p.grad = swap.grad
         swap.active = False
 
@@ -224,7 +228,7 @@ class ChunkStepper:
                     bind(entry, spec.key, like_param(views[info.index][spec.key], info.param))
 
     def _prepare_master(self, info: ParamInfo, views: dict[str, torch.Tensor]) -> None:
-        p = info.param.detach()
+        p = local(info.param).detach()
         master = views[MASTER]
         if self.mode is MasterMode.REMAINDER:
             decode_remainder(p, views[REMAINDER], views[TIE_BITS], master)
@@ -236,20 +240,21 @@ class ChunkStepper:
         if grad is None:
             raise RuntimeError(f"param {info.index} has no grad; it should not have been swapped to its master")
         grad32 = views[GRAD32]
-        grad32.copy_(grad)
+        grad32.copy_(local(grad))
         swap = _MasterSwap(p, p.data, grad, views)
         p.grad = None
-        p.data = views[MASTER]
-        p.grad = grad32
+        swap.parts = show(p, like_param(views[MASTER], p))  # a DTensor param: a DTensor over the master, placed alike
+        p.grad = like_param(grad32, p)
         return swap
 
     def _swap_out_master(self, swap: _MasterSwap) -> None:
-        master = swap.param.data
+        master = swap.views[MASTER]
         _undo_swap(swap)
-        swap.data.copy_(master)  # round to nearest even, exactly as `master.to(param.dtype)`
+        data = local(swap.data)
+        data.copy_(master)  # round to nearest even, exactly as `master.to(param.dtype)`
         if self.mode is MasterMode.REMAINDER:
             v = swap.views
-            encode_remainder(master, swap.data, v[REMAINDER], v[TIE_BITS], work=v[GRAD32])
+            encode_remainder(master, data, v[REMAINDER], v[TIE_BITS], work=v[GRAD32])
 
     def _narrowed_step(self, chunk: Chunk, infos: Sequence[ParamInfo], txn: ChunkTxn) -> None:
         groups = self.inner.param_groups

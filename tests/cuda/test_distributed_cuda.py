@@ -18,3 +18,17 @@ def test_fsdp2_on_one_gpu_matches_unwrapped_within_the_window() -> None:
         mp.spawn(dist_cases.fsdp2_gpu_window, args=(1, _free_port(), "nccl", result), nprocs=1, join=True)
         peak, bound = result[0]
     assert peak <= bound + 64 * 2**20, f"peak {peak / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize("gating", ["none", "overlap", "backward"])
+def test_fsdp2_bf16_params_with_offloaded_masters_on_one_gpu_match_a_resident_master_loop(gating: str) -> None:
+    with mp.Manager() as manager:
+        result = manager.dict()
+        mp.spawn(dist_cases.fsdp2_gpu_masters, args=(1, _free_port(), "nccl", gating, result), nprocs=1, join=True)
+        peaks = dict(result[0])
+    mib = 2**20
+    print(
+        f"\nFSDP2 ws=1 bf16 + fp32 masters ({gating}): peak {peaks['wrapped'] / mib:.0f} MiB wrapped, "
+        f"{peaks['resident'] / mib:.0f} MiB resident"
+    )
+    assert peaks["wrapped"] < peaks["resident"]

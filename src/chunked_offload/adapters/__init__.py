@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
+from ..notices import warn
 from .base import Adapter, KeyedAdapter, hparams_signature, is_dense, spec_of
 from .emerging import emerging_adapter
 from .generic import GenericAdapter
@@ -24,8 +23,6 @@ __all__ = [
     "resolve_adapter",
     "spec_of",
 ]
-
-logger = logging.getLogger(__name__)
 
 # (substring of the lower-cased class name, why it cannot be chunked): the contract "refuse what cannot be chunked".
 _REFUSED_NAMES = [
@@ -90,10 +87,8 @@ def resolve_adapter(inner: torch.optim.Optimizer, adapter: Adapter | None = None
         return explicit
     if is_te_fused_adam(inner):
         return TEFusedAdamAdapter(inner)
-    logger.warning(
-        "no explicit adapter for %s.%s; assuming a per-parameter update and probing its state layout. "
-        "Pass adapter=... to make this explicit",
-        cls.__module__,
-        cls.__qualname__,
+    warn(
+        f"no explicit adapter for {cls.__module__}.{cls.__qualname__}; assuming a per-parameter update and probing "
+        "its state layout. Pass adapter=... to make this explicit (docs/adapters.md)"
     )
     return GenericAdapter(inner)
