@@ -52,20 +52,34 @@ def test_bad_budgets_are_refused(bad: float) -> None:
 
 
 def test_a_budget_below_the_window_names_both_numbers() -> None:
-    with pytest.raises(
-        ValueError, match=r"gpu_budget_mb=0.00 is below the staging window .*chunk 0.05 MiB.* = 0.19 MiB"
-    ):
+    window = ChunkedOffloadOptimizer(torch.optim.AdamW(make_params(ODD_SHAPES)), chunk_size_mb=0.05).plan
+    expected = (
+        rf"2 slots x {window.slot_nbytes / 2**20:.2f} MiB.*chunk 0.05 MiB.* = {window.window_bound_nbytes / 2**20:.2f}"
+    )
+    with pytest.raises(ValueError, match=r"gpu_budget_mb=0.00 is below the staging window .*" + expected):
         ChunkedOffloadOptimizer(torch.optim.AdamW(make_params(ODD_SHAPES)), chunk_size_mb=0.05, gpu_budget_mb=0)
+
+
+def test_the_window_bound_is_the_plans_own() -> None:
+    """An 8 MiB model under a 100 MiB budget fits: its slots are its largest chunk, not the requested 256 MiB."""
+    params = make_params([(512, 512)] * 8)  # AdamW: 8 x (2 x 1 MiB of state + a 1 MiB backup)
+    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(params, fused=True), gpu_budget_mb=100)
+    plan = opt.plan
+    assert plan.slot_nbytes == 24 * 2**20 and plan.window_bound_nbytes < 3 * 24 * 2**20
+    assert plan.window_bound_nbytes + plan.resident_nbytes <= 100 * 2**20 and plan.resident_chunks
+    tiny = ChunkedOffloadOptimizer(torch.optim.AdamW(make_params([(7, 3)])))
+    assert f"window bound {tiny.plan.window_bound_nbytes / 2**20:.1f} MiB" in tiny.plan.summary()
+    assert tiny.plan.window_bound_nbytes < 2**20
 
 
 def test_the_budget_keeps_the_first_params_resident_and_the_window_inside_it() -> None:
     params = make_params([(64, 64)] * 8)  # AdamW: 2 x 16 KiB of state per param, plus a 16 KiB backup
-    window = 2 * 48 * 1024
+    window = ChunkedOffloadOptimizer(torch.optim.AdamW(params), chunk_size_mb=48 * _KIB).plan.window_bound_nbytes
     for extra_kib, n_resident in [(0, 0), (40, 1), (100, 3), (1000, 8)]:
         budget = (window + extra_kib * 1024) / 2**20
         opt = ChunkedOffloadOptimizer(torch.optim.AdamW(params), chunk_size_mb=48 * _KIB, gpu_budget_mb=budget)
         plan = opt.plan
-        assert plan.window_bound_nbytes == window
+        assert plan.window_bound_nbytes == window and plan.slot_nbytes == 48 * 1024
         resident = [i for c in plan.resident_chunks for i in c.params]
         assert resident == list(range(n_resident)), (extra_kib, resident)
         assert plan.window_bound_nbytes + plan.resident_nbytes <= budget * 2**20

@@ -74,10 +74,15 @@ def test_state_loaded_from_a_checkpoint_gets_te_scales() -> None:
     params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
     inner = _fake(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
     inner.state = {params[0]: {"exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}}
-    TEFusedAdamAdapter(inner).after_load(params)
+    adapter = TEFusedAdamAdapter(inner)
+    adapter.after_load(params)
+    assert inner._scales == {}  # not at the load, which must cost no device memory: at the next step
+    adapter.begin_step(lambda p: p.dtype)
     assert set(inner._scales) == {params[0]}  # a param without state gets none: TE creates them at its first step
     assert all(torch.equal(s, torch.ones(1)) for s in inner._scales[params[0]].values())
     fp32 = _fake()
     fp32.state = dict(inner.state)
-    TEFusedAdamAdapter(fp32).after_load(params)
+    fp32_adapter = TEFusedAdamAdapter(fp32)
+    fp32_adapter.after_load(params)
+    fp32_adapter.begin_step(lambda p: p.dtype)
     assert fp32._scales == {}  # fp32 moments have no scales

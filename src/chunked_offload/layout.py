@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -12,8 +12,8 @@ import torch
 from .adapters import Adapter, spec_of
 from .dtensor import like_param, local, planning_weight, same_tensor
 from .host_arena import HostArena, typed_view
-from .masters import MASTER, REMAINDER, TIE_BITS, MasterMode, master_specs, needs_master
-from .planner import Bundle, Chunk, ChunkPlan, Home, Role, TensorSpec, dense_spec, plan_chunks, window_bound
+from .masters import MASTER, REMAINDER, TIE_BITS, MasterMode, codec_workspace, master_specs, needs_master
+from .planner import Bundle, Chunk, ChunkPlan, Home, Role, TensorSpec, dense_spec, plan_chunks
 from .state_table import bind
 
 __all__ = [
@@ -112,11 +112,21 @@ class Layout:
     resident_flat: torch.Tensor | None
     group_signatures: list[Hashable]
     bound: Views
+    stale: str | None = None  # why the next step must re-plan (``relayout``)
 
     def rebind(self, index: int) -> None:
         """Recompute what entries hold for param ``index`` after its homes moved."""
         param = self.infos[index].param
         self.bound[index] = {key: like_param(home, param) for key, home in self.homes[index].items()}
+
+    def relayout(self, index: int, key: str, stride: tuple[int, ...]) -> torch.Tensor:
+        """View a home's bytes with other (dense) strides, which the inner optimizer gave the state; the layout is
+        stale from then on, so that the next step re-plans with them."""
+        home = self.homes[index][key]
+        self.homes[index][key] = home.as_strided(home.shape, stride)
+        self.rebind(index)
+        self.stale = f"state {key!r} of param {index} took the layout of its grad"
+        return self.homes[index][key]
 
     def move_resident(self, flat: torch.Tensor, state: Mapping[torch.Tensor, Any]) -> None:
         """Make ``flat`` (a copy of ``resident_flat`` elsewhere) the resident chunks' memory; rebind their entries."""
@@ -211,28 +221,63 @@ def _check_existing(
 
 def plan_layout(
     infos: list[ParamInfo],
+    groups: Sequence[Mapping[str, Any]],
+    adapter: Adapter,
+    mode: MasterMode,
     *,
     chunk_bytes: int,
     num_slots: int,
     offload_fraction: float,
     gpu_budget: int | None = None,
 ) -> ChunkPlan:
-    """The chunk plan of every parameter's bundle.
+    """The chunk plan of every parameter's bundle, with its window bound ([Note: Window bound]).
 
-    With ``gpu_budget`` (bytes), the staging window comes first and what is left of the budget holds resident state.
+    With ``gpu_budget`` (bytes) the staging window comes first, and the longest prefix of params whose resident state
+    fits in what the window leaves stays resident ([Note: What stays resident]).
     """
     bundles = [Bundle(info.index, info.specs, info.weight) for info in infos]
+
+    def planned(**residency: Any) -> ChunkPlan:
+        plan = plan_chunks(bundles, chunk_bytes=chunk_bytes, num_slots=num_slots, **residency)
+        workspace = max((step_workspace(c, infos, groups, adapter, mode) for c in plan.all_chunks), default=0)
+        return replace(plan, workspace_nbytes=workspace)
+
     if gpu_budget is None:
-        return plan_chunks(bundles, chunk_bytes=chunk_bytes, num_slots=num_slots, offload_fraction=offload_fraction)
-    window = window_bound(bundles, chunk_bytes, num_slots)  # the window comes first, whatever stays resident
-    if gpu_budget < window:
+        return planned(offload_fraction=offload_fraction)
+    plan = planned()  # everything offloaded: the window this budget must hold first
+    if gpu_budget < plan.window_bound_nbytes:
         mib = 2**20
         raise ValueError(
             f"gpu_budget_mb={gpu_budget / mib:.2f} is below the staging window this plan needs "
-            f"({num_slots} slots x max(chunk {chunk_bytes / mib:.2f} MiB, largest param bundle) = {window / mib:.2f} "
-            "MiB); raise gpu_budget_mb or lower chunk_size_mb"
+            f"({num_slots} slots x {plan.slot_nbytes / mib:.2f} MiB, its largest chunk with chunk "
+            f"{chunk_bytes / mib:.2f} MiB, + {plan.workspace_nbytes / mib:.2f} MiB of step workspace = "
+            f"{plan.window_bound_nbytes / mib:.2f} MiB); raise gpu_budget_mb or lower chunk_size_mb"
         )
-    return plan_chunks(bundles, chunk_bytes=chunk_bytes, num_slots=num_slots, resident_budget=gpu_budget - window)
+    resident_budget = gpu_budget - plan.window_bound_nbytes
+    while True:  # a partial plan packs other chunks: shrink until its window and its resident state both fit
+        plan = planned(resident_budget=resident_budget)
+        if plan.resident_nbytes + plan.window_bound_nbytes <= gpu_budget or not plan.resident_chunks:
+            return plan
+        resident_budget = plan.resident_nbytes - 1
+
+
+# The caching allocator rounds every block up to 512 bytes; a chunk step allocates a few blocks per param.
+_BLOCK = 512
+
+
+def step_workspace(
+    chunk: Chunk, infos: list[ParamInfo], groups: Sequence[Mapping[str, Any]], adapter: Adapter, mode: MasterMode
+) -> int:
+    """Device bytes a chunk's step takes beside the slots, at most ([Note: Window bound]).
+
+    State the inner creates while the slots are held (a param's first step, when its chunk is staged), the
+    temporaries of the master codec and of the inner's own step, and the allocator's rounding of each block.
+    """
+    members = [infos[i] for i in chunk.params]
+    codec = max((codec_workspace(local(m.param).numel(), mode) for m in members if m.has_master), default=0)
+    stepped = [(dict(groups[m.group_index]), stepped_like(m.param, mode).nbytes) for m in members]
+    blocks = sum(len(m.specs) for m in members) + 4 * len(members) + 16
+    return chunk.state_nbytes + codec + adapter.workspace_nbytes(stepped) + blocks * _BLOCK
 
 
 def place(
@@ -307,6 +352,8 @@ def stale_reason(
     not its home (assigned by hand, or a state container swapped in), or the hyperparameters now predict other
     state for params that have none yet.
     """
+    if layout.stale is not None:
+        return layout.stale
     infos, bound = layout.infos, layout.bound
     position = 0
     for gi, group in enumerate(groups):

@@ -16,6 +16,7 @@ __all__ = [
     "REMAINDER",
     "TIE_BITS",
     "MasterMode",
+    "codec_workspace",
     "decode_remainder",
     "encode_remainder",
     "master_specs",
@@ -84,6 +85,16 @@ def master_specs(param: torch.Tensor, mode: MasterMode) -> list[TensorSpec]:
         ]
     specs.append(dense_spec(GRAD32, Role.SCRATCH, param, torch.float32))
     return specs
+
+
+def codec_workspace(numel: int, mode: MasterMode) -> int:
+    """Device bytes the temporaries of one master's rebuild and re-encoding take at most (beside its scratch).
+
+    Per piece of up to ``_PIECE_ELEMS`` elements: the mask of [Note: Edited params] (a byte each); in remainder mode
+    also the tie bits unpacked to a byte each and one shifted copy of the packed bits (an eighth).
+    """
+    n = -(-min(numel, _PIECE_ELEMS) // 8) * 8
+    return n if mode is MasterMode.FP32 else n + n // 8
 
 
 def _flat_pieces(*tensors: torch.Tensor) -> Iterator[tuple[torch.Tensor, ...]]:

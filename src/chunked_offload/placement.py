@@ -174,6 +174,9 @@ class Placement:
         infos = describe(groups, state.get, self.adapter, self.mode)
         plan = plan_layout(
             infos,
+            groups,
+            self.adapter,
+            self.mode,
             chunk_bytes=max(1, int(options.chunk_size_mb * _MIB)),
             num_slots=options.num_slots,
             offload_fraction=options.offload_fraction,
@@ -186,7 +189,8 @@ class Placement:
             and len(old.infos) == len(infos)
             and all(a.param is b.param for a, b in zip(old.infos, infos, strict=True))  # identity: == compares values
         )
-        if old is not None and same_params and plan == old.plan and self.phase.resting is not Phase.OFFLOADED:
+        reusable = old is not None and old.stale is None and self.phase.resting is not Phase.OFFLOADED
+        if old is not None and reusable and same_params and plan == old.plan:
             same = Layout(plan, infos, old.homes, old.arena, old.resident_flat, signatures, old.bound)
             return Prepared(infos, same, False)
         self.pipeline.drain()  # the previous layout's homes are read below; no write-back may still be in flight

@@ -24,7 +24,6 @@ __all__ = [
     "align",
     "dense_spec",
     "plan_chunks",
-    "window_bound",
 ]
 
 # [Note: Pipeline depth]
@@ -32,8 +31,8 @@ __all__ = [
 # over the duplex bandwidth. With few, large chunks that is a large share (8 GB of Adam state in 2 GB chunks:
 # +20% on an H200). chunk_bytes is a budget, not a target: the planner packs to at most
 # max(MIN_AUTO_CHUNK_BYTES, total / PIPELINE_DEPTH) so the pipeline stays at least PIPELINE_DEPTH chunks deep,
-# never below MIN_AUTO_CHUNK_BYTES per chunk (small chunks pay per-chunk launch and event costs). The published
-# window bound still uses the requested budget, so it only gets more conservative.
+# never below MIN_AUTO_CHUNK_BYTES per chunk (small chunks pay per-chunk launch and event costs). The window bound
+# is the plan's own (its largest chunk), not the requested budget's.
 PIPELINE_DEPTH = 32
 MIN_AUTO_CHUNK_BYTES = 64 * 2**20
 
@@ -217,6 +216,8 @@ class ChunkPlan:
         bundles: every bundle, by parameter index.
         chunk_bytes: the requested chunk size in bytes.
         num_slots: staging slots on the device.
+        workspace_nbytes: device memory a chunk's step takes beside the slots, at most (the caller's estimate,
+            ``layout.step_workspace``; 0 from ``plan_chunks``).
     """
 
     chunks: tuple[Chunk, ...]
@@ -224,6 +225,7 @@ class ChunkPlan:
     bundles: tuple[Bundle, ...]
     chunk_bytes: int
     num_slots: int
+    workspace_nbytes: int = 0
 
     @property
     def all_chunks(self) -> tuple[Chunk, ...]:
@@ -253,8 +255,9 @@ class ChunkPlan:
 
     @property
     def window_bound_nbytes(self) -> int:
-        """Published bound on staging memory during ``step()``: ``num_slots * max(chunk, largest bundle)``."""
-        return window_bound(self.bundles, self.chunk_bytes, self.num_slots)
+        """The device memory a step takes beside the resident state, at most ([Note: Window bound]): ``num_slots``
+        slots of the largest chunk, and the workspace of the chunk step that takes the most beside them."""
+        return self.num_slots * self.slot_nbytes + self.workspace_nbytes
 
     def chunk_of(self, param_index: int) -> Chunk | None:
         for c in self.all_chunks:
@@ -280,13 +283,6 @@ class ChunkPlan:
 
     def __str__(self) -> str:
         return self.summary()
-
-
-def window_bound(bundles: Sequence[Bundle], chunk_bytes: int, num_slots: int) -> int:
-    """The staging window any plan of ``bundles`` keeps within: ``num_slots * max(chunk, largest bundle)``."""
-    if not bundles:
-        return 0
-    return num_slots * max(chunk_bytes, max(b.device_nbytes for b in bundles))
 
 
 def plan_chunks(

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 import torch
 from torch.autograd.profiler import record_function
 
-from .adapters import Adapter
+from .adapters import Adapter, is_dense
 from .dtensor import like_param, local, same_tensor, show
 from .layout import BACKUP, Layout, ParamInfo, Views
 from .masters import (
@@ -212,10 +212,13 @@ class ChunkStepper:
                 continue
             txn.entries[info.param] = (entry, dict(entry))
             scalars += [v for v in entry.values() if isinstance(v, torch.Tensor) and v.dim() == 0]
-        if scalars:
-            saved = [torch.empty_like(t) for t in scalars]
-            torch._foreach_copy_(saved, scalars)
-            txn.scalars = list(zip(scalars, saved, strict=True))
+        by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for t in scalars:
+            by_kind.setdefault((t.dtype, t.device), []).append(t)
+        for (dtype, device), kind in by_kind.items():
+            saved = list(torch.empty(len(kind), dtype=dtype, device=device).unbind())  # one block per kind
+            torch._foreach_copy_(saved, kind)
+            txn.scalars += list(zip(kind, saved, strict=True))
         return txn
 
     def _bind(self, infos: Sequence[ParamInfo], views: Views) -> None:
@@ -302,23 +305,27 @@ class ChunkStepper:
                     continue
                 t = local(value)
                 home = self.layout.homes[info.index][key]
-                if fresh:
+                view = None if fresh else views[info.index][key]
+                if view is None or not same_tensor(t, view):
                     _check_matches(t, spec, info.index)
-                    fresh_pairs.append((home, t))
-                else:
-                    view = views[info.index][key]
-                    if not same_tensor(t, view):
-                        _check_matches(t, spec, info.index)
+                    if t.stride() != home.stride() and t.numel() > 1:
+                        # The inner made the state in another dense layout (the grad's): the home and the slot
+                        # bytes take that layout, so that the state keeps its strides as in plain torch.
+                        home = self.layout.relayout(info.index, key, t.stride())
+                        view = None if view is None else view.as_strided(view.shape, t.stride())
+                    if view is None:
+                        fresh_pairs.append((home, t))
+                    else:
                         view.copy_(t)
                 bind(entry, key, self.layout.bound[info.index][key])
         return fresh_pairs
 
 
 def _check_matches(t: torch.Tensor, spec: TensorSpec, index: int) -> None:
-    strides_match = all(a == b for a, b, n in zip(t.stride(), spec.stride, spec.shape, strict=False) if n > 1)
-    if tuple(t.shape) != spec.shape or t.dtype != spec.dtype or not strides_match:
+    """A state tensor the inner created fits its home: the planned shape and dtype, in any dense layout."""
+    if tuple(t.shape) != spec.shape or t.dtype != spec.dtype or not is_dense(t):
         raise RuntimeError(
             f"the inner optimizer created state {spec.key!r} for param {index} with shape {tuple(t.shape)}, strides "
-            f"{tuple(t.stride())} and dtype {t.dtype}, but the chunk plan expected shape {spec.shape}, strides "
-            f"{spec.stride} and dtype {spec.dtype}; the adapter does not match the optimizer"
+            f"{tuple(t.stride())} and dtype {t.dtype}, but the chunk plan expected shape {spec.shape} and dtype "
+            f"{spec.dtype}, in a dense layout (such as strides {spec.stride}); the adapter does not match the optimizer"
         )

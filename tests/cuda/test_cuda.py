@@ -25,7 +25,6 @@ from reference import (
 
 pytestmark = pytest.mark.cuda
 MiB = 2**20
-SLACK = 64 * MiB  # the allowance for allocator rounding and small temporaries
 
 
 def _fused_adamw(params: Any) -> torch.optim.Optimizer:
@@ -89,7 +88,8 @@ def test_step_window_is_bounded(mode: str) -> None:
         opt.step()
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
-        assert peak <= bound + SLACK, f"step {step}: peak {peak / MiB:.1f} MiB > bound {bound / MiB:.1f} MiB + 64"
+        print(f"\n{mode} step {step}: peak {peak / MiB:.1f} MiB, bound {bound / MiB:.1f} MiB")
+        assert peak <= bound, f"step {step}: peak {peak / MiB:.2f} MiB > bound {bound / MiB:.2f} MiB"
         # Between steps only the staging slots (if allocated) and fused Adam's 0-dim step counters stay.
         resident = torch.cuda.memory_allocated() - base
         assert resident <= opt._pool.slot_nbytes * opt.num_slots + 1 * MiB

@@ -17,7 +17,8 @@ def test_fsdp2_on_one_gpu_matches_unwrapped_within_the_window() -> None:
         result = manager.dict()
         mp.spawn(dist_cases.fsdp2_gpu_window, args=(1, _free_port(), "nccl", result), nprocs=1, join=True)
         peak, bound = result[0]
-    assert peak <= bound + 64 * 2**20, f"peak {peak / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB"
+    print(f"\nFSDP2 ws=1 step: peak {peak / 2**20:.2f} MiB, bound {bound / 2**20:.2f} MiB")
+    assert peak <= bound, f"peak {peak / 2**20:.2f} MiB, bound {bound / 2**20:.2f} MiB"
 
 
 @pytest.mark.parametrize("gating", ["none", "overlap", "backward"])

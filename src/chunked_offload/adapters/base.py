@@ -123,6 +123,20 @@ class Adapter:
     def begin_step(self, stepped_dtype: Callable[[torch.Tensor], torch.dtype]) -> None:
         """Called once per outer step before any chunk: decide what the inner optimizer decides per group."""
 
+    def workspace_nbytes(self, stepped: Sequence[tuple[dict[str, Any], int]]) -> int:
+        """Device bytes the inner's own step takes beside its state, at most, for a chunk of params stepped as
+        ``(group, bytes of the stepped tensor)`` ([Note: Window bound]).
+
+        Fused kernels take none. Otherwise the estimate is twice the chunk's stepped bytes: torch's foreach Adam makes
+        one temporary the size of the chunk's params, its for-loop one makes two the size of one param. An inner
+        that orthogonalizes whole matrices (Muon) takes a few matrices' worth per param, one param at a time.
+        """
+        if all(group.get("fused") for group, _ in stepped):
+            return 0
+        if self.whole_params:
+            return 4 * max((nbytes for _, nbytes in stepped), default=0)
+        return 2 * sum(nbytes for _, nbytes in stepped)
+
     def extra_params(self, group_index: int, chunk_params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Throwaway params to add to one group of one chunk's call so that it takes the whole group's code path.
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +46,7 @@ class TEFusedAdamAdapter(Adapter):
     def __init__(self, inner: torch.optim.Optimizer) -> None:
         super().__init__(inner)
         self.grad_attr = "decoupled_grad" if getattr(inner, "use_decoupled_grad", False) else "grad"
+        self._unscaled: set[torch.Tensor] = set()  # params with state from a checkpoint, whose scales are due
 
     def check_config(self) -> None:
         inner: Any = self.inner
@@ -82,6 +83,9 @@ class TEFusedAdamAdapter(Adapter):
             specs.append(dense_spec("master_param", Role.STATE, stepped, torch.int16 if remainders else torch.float32))
         return specs
 
+    def workspace_nbytes(self, stepped: Sequence[tuple[dict[str, Any], int]]) -> int:
+        return 0  # multi-tensor-apply kernels on the state in place
+
     def layout_signature(self, group: dict[str, Any]) -> Hashable:
         return "fused_adam"  # the state depends on the optimizer's attributes, not on group hyperparameters
 
@@ -97,16 +101,21 @@ class TEFusedAdamAdapter(Adapter):
                         )
 
     def after_load(self, params: Sequence[torch.Tensor]) -> None:
-        # FusedAdam keeps a scale per non-fp32 state in _scales, created by its own state initialisation; for bf16
-        # moments it stays 1 (the bf16 path never rescales). State installed from a checkpoint needs it too.
+        # FusedAdam keeps a scale per non-fp32 moment in _scales, created by its own state initialisation; for bf16
+        # moments it stays 1 (the bf16 path never rescales). State installed from a checkpoint needs it too: it is
+        # created at the next step (begin_step), so that loading costs no device memory.
+        self._unscaled.update(params)
+
+    def begin_step(self, stepped_dtype: Callable[[torch.Tensor], torch.dtype]) -> None:
         inner: Any = self.inner
-        for p in params:
+        for p in self._unscaled:
             state = inner.state.get(p) or {}
             for key in _MOMENTS:
                 if key in state and inner.name_to_dtype_map[key] != torch.float32:
                     scales = inner._scales.setdefault(p, {})
                     if key not in scales:
                         scales[key] = torch.ones([1], dtype=torch.float32, device=p.device)
+        self._unscaled.clear()
 
     def to_checkpoint(self, key: str, value: torch.Tensor) -> torch.Tensor:
         if key in _MOMENTS and value.dtype == torch.bfloat16:
