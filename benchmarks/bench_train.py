@@ -16,6 +16,11 @@ Variants, each timed on the same iterations in one run:
 Exposed optimizer time = our iteration - the resident iteration, reported as a multiple of the step's transfer
 floor (the bytes each way over the measured duplex bandwidth).
 
+--compile MODE runs every variant's forward and backward through torch.compile(model, mode=MODE); our variants
+attach the model before compiling, so each module with params breaks the graph once ([Note: Opaque to dynamo]), and
+"sync" attaches it too, so that the compiled loops are the same: under --compile the bitwise check is against sync.
+--fsdp2 shards the model with FSDP2 (each decoder layer and the root, one process, NCCL) before any optimizer.
+
 Exactness: two unwrapped runs of the model differ unless the kernels are deterministic (attention's and the
 embedding's backward use atomics), so the bitwise check runs separately, in deterministic mode with math attention
 at the smallest batch, for every variant against the resident run. The timed sweep uses the fast kernels.
@@ -23,6 +28,8 @@ at the smallest batch, for every variant against the resident run. The timed swe
 Commands:
     python3 benchmarks/bench_train.py                       # ~1 B params on a GPU, a tiny model on the CPU
     python3 benchmarks/bench_train.py --batches 8,16 --csv benchmarks/results/bench_train_h200.csv
+    python3 benchmarks/bench_train.py --batches 16 --compile default
+    python3 benchmarks/bench_train.py --batches 16 --fsdp2 --variants resident,sync,overlap
 Exits nonzero if any variant is not bitwise equal to the resident run.
 """
 
@@ -44,7 +51,7 @@ from chunked_offload import ChunkedOffloadOptimizer  # noqa: E402
 from common import Recorder, Stats, device_name, git_sha, measure_link, progress, synchronize  # noqa: E402
 
 VARIANTS = ("resident", "sync", "overlap", "backward")
-NO_CLIP = {"backward", "resident-noclip"}
+NO_CLIP = {"backward", "resident-noclip", "sync-noclip"}
 
 
 class ResidentMasters:
@@ -61,7 +68,7 @@ class ResidentMasters:
         for p, m in zip(self.params, self.masters, strict=True):
             m.grad = None if p.grad is None else p.grad.float()
         self.inner.step()
-        torch._foreach_copy_([p.detach() for p in self.params], self.masters)
+        torch._foreach_copy_([_local(p.detach()) for p in self.params], [_local(m) for m in self.masters])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -94,6 +101,16 @@ def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Modu
     with torch.device(device):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.config.use_cache = False
+    if args.fsdp2:
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
     return model
 
 
@@ -110,9 +127,17 @@ def make_optimizer(variant: str, model: torch.nn.Module, args: argparse.Namespac
         overlap=variant == "overlap",
         step_in_backward=variant == "backward",
     )
-    if variant in ("overlap", "backward"):
-        opt.attach(model)
+    if variant in ("overlap", "backward") or (args.compile and variant.startswith("sync")):
+        opt.attach(model)  # under --compile sync attaches too: the same graph breaks as the loops it is checked against
     return opt
+
+
+def compiled(model: torch.nn.Module, args: argparse.Namespace) -> Any:
+    """The forward an iteration calls: the model, or (--compile) a fresh torch.compile of it."""
+    if not args.compile:
+        return model
+    torch._dynamo.reset()
+    return torch.compile(model, mode=args.compile)
 
 
 def batches_of(seed: int, count: int, batch: int, args: argparse.Namespace, device: torch.device) -> list:
@@ -120,9 +145,9 @@ def batches_of(seed: int, count: int, batch: int, args: argparse.Namespace, devi
     return [torch.randint(0, args.vocab, (batch, args.seq), generator=gen, device=device) for _ in range(count)]
 
 
-def iterate(model: torch.nn.Module, opt: Any, ids: torch.Tensor, clip: bool = True) -> float:
+def iterate(model: torch.nn.Module, opt: Any, ids: torch.Tensor, clip: bool = True, forward: Any = None) -> float:
     """One training iteration; returns the host seconds ``opt.step()`` took to return."""
-    loss = model(input_ids=ids, labels=ids).loss
+    loss = (model if forward is None else forward)(input_ids=ids, labels=ids).loss
     loss.backward()
     if clip:
         opt.prefetch()  # ours: the first chunk's H2D overlaps the clipping
@@ -142,10 +167,11 @@ def run_variant(
     device = next(model.parameters()).device
     model.load_state_dict(initial)
     opt = make_optimizer(variant, model, args)
+    forward = compiled(model, args)
     data = batches_of(batch, args.warmup + args.iters, batch, args, device)
     clip = variant not in NO_CLIP
     for ids in data[: args.warmup]:
-        iterate(model, opt, ids, clip)
+        iterate(model, opt, ids, clip, forward)
     opt.wait_step()
     synchronize(device)
     if device.type == "cuda":
@@ -154,7 +180,7 @@ def run_variant(
     hosts = []
     for ids in progress(data[args.warmup :], f"{variant} b={batch}"):
         marks.append(_mark(device))
-        hosts.append(iterate(model, opt, ids, clip))
+        hosts.append(iterate(model, opt, ids, clip, forward))
     opt.wait_step()  # the last step's updates are part of its iteration
     marks.append(_mark(device))
     synchronize(device)
@@ -185,14 +211,16 @@ def exact_check(model: torch.nn.Module, initial: dict[str, torch.Tensor], args: 
         torch.backends.cuda.enable_mem_efficient_sdp(False)
         torch.backends.cuda.enable_cudnn_sdp(False)
     finals: dict[str, list[torch.Tensor]] = {}
+    references = ("sync", "sync-noclip") if args.compile else ("resident", "resident-noclip")
     try:
-        for variant in (*VARIANTS, "resident-noclip"):
+        for variant in dict.fromkeys((*args.variants, *references)):
             model.load_state_dict(initial)
             opt = make_optimizer(variant, model, args)
+            forward = compiled(model, args)
             for ids in batches_of(7, args.exact_steps, args.exact_batch, args, device):
-                iterate(model, opt, ids, variant not in NO_CLIP)
+                iterate(model, opt, ids, variant not in NO_CLIP, forward)
             opt.wait_step()
-            finals[variant] = [p.detach().cpu() for p in model.parameters()]
+            finals[variant] = [_local(p.detach()).cpu() for p in model.parameters()]
             del opt
             gc.collect()
     finally:
@@ -203,10 +231,14 @@ def exact_check(model: torch.nn.Module, initial: dict[str, torch.Tensor], args: 
             torch.backends.cuda.enable_cudnn_sdp(True)
 
     def same(v: str) -> bool:
-        ref = finals["resident-noclip" if v in NO_CLIP else "resident"]
+        ref = finals[references[1] if v in NO_CLIP else references[0]]
         return all(torch.equal(a, b) for a, b in zip(ref, finals[v], strict=True))
 
-    return {v: same(v) for v in VARIANTS}
+    return {v: same(v) for v in args.variants if v not in references or v.startswith("sync")}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def main() -> int:
@@ -228,7 +260,13 @@ def main() -> int:
     parser.add_argument("--master-weights", default="fp32", choices=["fp32", "remainder"])
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--csv", type=Path)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--compile", metavar="MODE", help="torch.compile mode: default, max-autotune-no-cudagraphs")
+    parser.add_argument("--fsdp2", action="store_true", help="shard the model with FSDP2 (world size 1)")
     args = parser.parse_args()
+    args.variants = tuple(v for v in args.variants.split(",") if v)
+    if "resident" not in args.variants:
+        parser.error("--variants must include resident: every other variant's time is against it")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device.type == "cuda"
     # The issue's calibration model on a GPU (0.95 B params); a tiny one on the CPU.
@@ -252,22 +290,23 @@ def main() -> int:
     )
     print(f"link: H2D {link.h2d / 1e9:.1f} GB/s, D2H {link.d2h / 1e9:.1f} GB/s, duplex {link.duplex / 1e9:.1f} GB/s")
 
-    exact = {v: True for v in VARIANTS} if args.skip_exact else exact_check(model, initial, args)
+    exact = {v: True for v in args.variants} if args.skip_exact else exact_check(model, initial, args)
     print(
-        "bitwise equal to the resident run (deterministic kernels, batch "
+        f"bitwise equal to the {'compiled sync' if args.compile else 'resident'} run (deterministic kernels, batch "
         f"{args.exact_batch}, {args.exact_steps} steps): "
         + ", ".join(f"{v} {'yes' if ok else 'NO'}" for v, ok in exact.items())
     )
 
     rec = Recorder(device)
     workload = f"llama-{n_params / 1e9:.2f}B-seq{args.seq}"
+    workload += (f"-compile-{args.compile}" if args.compile else "") + ("-fsdp2" if args.fsdp2 else "")
     floor = None
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         times: dict[str, Stats] = {}
         peaks: dict[str, int] = {}
         hosts: dict[str, tuple[float, float]] = {}
-        for variant in VARIANTS:
+        for variant in args.variants:
             try:
                 seconds, peak, opt, host_s, step_s = run_variant(variant, model, initial, batch, args)
             except torch.OutOfMemoryError:
@@ -280,11 +319,11 @@ def main() -> int:
             gc.collect()
             if gpu:
                 torch.cuda.empty_cache()
-        if len(times) < len(VARIANTS) or floor is None:
+        if len(times) < len(args.variants) or floor is None:
             continue
         tokens = batch * args.seq
         base = times["resident"].median
-        for variant in VARIANTS:
+        for variant in args.variants:
             exposed = times[variant].median - base
             rec.add(workload, variant, f"iter_s@{tokens}", times[variant])
             rec.add(workload, variant, f"peak_gib@{tokens}", peaks[variant] / 2**30)
