@@ -294,9 +294,46 @@ def fsdp2_gpu_masters(rank: int, world: int, port: int, backend: str, gating: st
                 fully_shard(layer)
             return fully_shard(m)
 
-        plain_model, wrapped_model = model(), model()
-        masters = [torch.nn.Parameter(p.detach().float()) for p in plain_model.parameters()]
-        ref = torch.optim.AdamW(masters, lr=1e-3, fused=True)
+        def batch(step: int) -> torch.Tensor:
+            gen = torch.Generator(device=device).manual_seed(step)
+            return torch.randn(256, 2048, generator=gen, device=device, dtype=torch.bfloat16)
+
+        def peak_of(run: Any) -> int:  # each loop alone on the GPU: its own peak
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            run()
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated()
+
+        def resident() -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
+            """The resident fp32-master loop alone on the GPU: its peak, final params and masters (on the host)."""
+            plain_model = model()
+            masters = [torch.nn.Parameter(p.detach().float()) for p in plain_model.parameters()]
+            ref = torch.optim.AdamW(masters, lr=1e-3, fused=True)
+
+            def loop() -> None:
+                for step in range(5):
+                    plain_model(batch(step)).float().square().mean().backward()
+                    for m, p in zip(masters, plain_model.parameters(), strict=True):
+                        m.grad = p.grad.float()
+                    ref.step()
+                    for m, p in zip(masters, plain_model.parameters(), strict=True):
+                        p.detach().copy_(m.detach())
+                    ref.zero_grad()
+                    plain_model.zero_grad()
+
+            peak = peak_of(loop)
+            return (
+                peak,
+                [_local(p.detach()).cpu() for p in plain_model.parameters()],
+                [_local(m.detach()).cpu() for m in masters],
+            )
+
+        resident_peak, expected, expected_masters = resident()
+        peaks = {"resident": resident_peak}
+
+        wrapped_model = model()
         wrapped = ChunkedOffloadOptimizer(
             torch.optim.AdamW(wrapped_model.parameters(), lr=1e-3, fused=True),
             chunk_size_mb=16,
@@ -305,34 +342,20 @@ def fsdp2_gpu_masters(rank: int, world: int, port: int, backend: str, gating: st
             step_in_backward=gating == "backward",
         )
         wrapped.attach(wrapped_model)
-        peaks: dict[str, int] = {"wrapped": 0, "resident": 0}
-        for step in range(5):
-            gen = torch.Generator(device=device).manual_seed(step)
-            x = torch.randn(256, 2048, generator=gen, device=device, dtype=torch.bfloat16)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            plain_model(x).float().square().mean().backward()
-            for m, p in zip(masters, plain_model.parameters(), strict=True):
-                m.grad = p.grad.float()
-            ref.step()
-            for m, p in zip(masters, plain_model.parameters(), strict=True):
-                p.detach().copy_(m.detach())
-            ref.zero_grad()
-            plain_model.zero_grad()
-            torch.cuda.synchronize()
-            peaks["resident"] = max(peaks["resident"], torch.cuda.max_memory_allocated())
-            torch.cuda.reset_peak_memory_stats()
-            wrapped_model(x).float().square().mean().backward()
-            wrapped.step()
-            wrapped.zero_grad()
-            torch.cuda.synchronize()
-            peaks["wrapped"] = max(peaks["wrapped"], torch.cuda.max_memory_allocated())
-        wrapped.synchronize()
-        for pa, pb in zip(plain_model.parameters(), wrapped_model.parameters(), strict=True):
-            assert torch.equal(_local(pa.detach()), _local(pb.detach())), "params differ"
+
+        def wrapped_loop() -> None:
+            for step in range(5):
+                wrapped_model(batch(step)).float().square().mean().backward()
+                wrapped.step()
+                wrapped.zero_grad()
+            wrapped.synchronize()
+
+        peaks["wrapped"] = peak_of(wrapped_loop)
+        for a, b in zip(expected, wrapped_model.parameters(), strict=True):
+            assert torch.equal(a, _local(b.detach()).cpu()), "params differ"
         got = dict(wrapped.master_params())
-        for m, p in zip(masters, wrapped_model.parameters(), strict=True):
-            assert torch.equal(_local(m.detach()).cpu(), got[p].cpu()), "masters differ"
+        for m, p in zip(expected_masters, wrapped_model.parameters(), strict=True):
+            assert torch.equal(m, got[p].cpu()), "masters differ"
         result[rank] = peaks
     finally:
         dist.destroy_process_group()

@@ -143,15 +143,18 @@ def assert_runs_match(
 
 def partly_resident_adamw() -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter], torch.optim.Optimizer, Any]:
     """Eight 2048² fp32 params twice on the GPU: fused AdamW over the first copy, and the wrapper over fused AdamW on
-    the second, 16 MB chunks and a budget of two 48 MiB slots plus four params' 32 MiB of state (the first four
+    the second, 16 MB chunks and a budget of the plan's window plus four params' 32 MiB of state (the first four
     params' state resident, the rest staged)."""
     from chunked_offload import ChunkedOffloadOptimizer
 
     ref_params = make_params([(2048, 2048)] * 8, torch.float32, "cuda")
     params = make_params([(2048, 2048)] * 8, torch.float32, "cuda")
     ref = torch.optim.AdamW(ref_params, lr=1e-3, fused=True)
+    probe = torch.optim.AdamW(make_params([(2048, 2048)] * 8), fused=True)  # the same plan, on the host
+    window = ChunkedOffloadOptimizer(probe, chunk_size_mb=16).plan.window_bound_nbytes
+    budget_mb = (window + 4 * 32 * 2**20) / 2**20 + 1
     opt = ChunkedOffloadOptimizer(
-        torch.optim.AdamW(params, lr=1e-3, fused=True), chunk_size_mb=16, gpu_budget_mb=2 * 48 + 4 * 32 + 1
+        torch.optim.AdamW(params, lr=1e-3, fused=True), chunk_size_mb=16, gpu_budget_mb=budget_mb
     )
     return ref_params, params, ref, opt
 

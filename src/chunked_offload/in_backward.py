@@ -9,6 +9,7 @@ import torch
 
 from .adapters import Adapter
 from .context import OpenStep
+from .dtensor import local
 from .pipeline import ChunkPipeline, Event, Pending, note_failure
 from .planner import Chunk
 from .staging import Slot
@@ -163,7 +164,7 @@ class BackwardStep:
         return [(i, g) for i in chunk.params if (g := grad_of(infos[i].param)) is not None]
 
     def _keep_grads_alive(self, chunk: Chunk) -> None:
-        self.pipeline.gate.keep_alive(g for _, g in self._grads(chunk))
+        self.pipeline.gate.keep_alive(local(g) for _, g in self._grads(chunk))
 
     def _record_versions(self, chunk: Chunk) -> None:
         """Each grad's version after its update: a later change (clipping, unscaling) is refused at ``step()``."""

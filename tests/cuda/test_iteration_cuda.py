@@ -128,7 +128,7 @@ def test_without_the_forward_gate_the_race_shows(monkeypatch: pytest.MonkeyPatch
     plain = _train(overlap=False, attach=False)
     with monkeypatch.context() as patch:
         _slow_chunks(patch)
-        patch.setattr(StepGate, "wait_params", lambda self, indices: None)
+        patch.setattr(StepGate, "wait_params", lambda self, indices, streams=(): None)
         ungated = _train(overlap=True, attach=True)
     with pytest.raises(AssertionError):
         _assert_models_equal(plain, ungated)
