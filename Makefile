@@ -12,7 +12,7 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)" "pytest>=8" "hypothesis>=6" numpy expecttest accelerate pytorch-lightning transformers tqdm ruff mypy
+	$(PY) -m pip install -q "$(TORCH_SPEC)" "pytest>=8" "hypothesis>=6" numpy expecttest accelerate pytorch-lightning transformers tqdm ruff mypy build
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 

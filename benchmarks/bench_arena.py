@@ -78,7 +78,7 @@ def per_tensor(sizes: list[int]) -> tuple[float, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-gb", default=None, help="default 1,4,16,32 on a GPU, 0.25,1 on a CPU")
-    parser.add_argument("--csv", type=Path, default=ROOT / "benchmarks" / "results" / "bench_arena.csv")
+    parser.add_argument("--csv", type=Path, default=ROOT / "out" / "bench_arena.csv")
     args = parser.parse_args()
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")

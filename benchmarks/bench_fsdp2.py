@@ -268,7 +268,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=50 if gpu else 6)
     parser.add_argument("--resharded-steps", type=int, default=5 if gpu else 2)
     parser.add_argument("--chunk-mb", type=float, default=256.0 if gpu else 0.05)
-    parser.add_argument("--csv", type=Path, default=ROOT / "benchmarks" / "results" / "bench_fsdp2.csv")
+    parser.add_argument("--csv", type=Path, default=ROOT / "out" / "bench_fsdp2.csv")
     args = parser.parse_args()
     args.resharded_from = None
     device = torch.device("cuda" if gpu else "cpu")

@@ -93,7 +93,7 @@ def main() -> int:
     parser.add_argument("--chunk-mb", type=float, default=256.0)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--csv", type=Path, default=ROOT / "benchmarks" / "results" / "bench_inners.csv")
+    parser.add_argument("--csv", type=Path, default=ROOT / "out" / "bench_inners.csv")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("# bench_inners needs a GPU (Transformer Engine and the timings are CUDA-only)")

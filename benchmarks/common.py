@@ -34,10 +34,13 @@ def git_sha() -> str:
 
 
 def progress(iterable: Any, desc: str, total: int | None = None) -> Any:
-    """A tqdm progress bar on stderr where tqdm is installed; the plain iterable otherwise."""
+    """A tqdm progress bar on stderr when it is a terminal and tqdm is installed; the plain iterable otherwise (a bar
+    written to a file would interleave with the results)."""
     try:
         from tqdm import tqdm
     except ImportError:
+        return iterable
+    if not sys.stderr.isatty():
         return iterable
     return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True)
 

@@ -69,13 +69,20 @@ def run(args: argparse.Namespace, offload: bool) -> tuple[list[torch.Tensor], li
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--iterations", type=int, default=8)
+    parser.add_argument("--iterations", type=int, default=8, help="rollout + update iterations")
     parser.add_argument("--width", type=int, default=None, help="default 4096 on a GPU, 128 on the CPU")
-    parser.add_argument("--depth", type=int, default=6)
-    parser.add_argument("--actions", type=int, default=64)
-    parser.add_argument("--rollout", type=int, default=256)
-    parser.add_argument("--chunk-mb", type=float, default=64.0)
-    parser.add_argument("--resident-mb", type=float, default=None, help="default 512 on a GPU, 0.5 on the CPU")
+    parser.add_argument("--depth", type=int, default=6, help="hidden layers of the policy")
+    parser.add_argument("--actions", type=int, default=64, help="size of the action space")
+    parser.add_argument("--rollout", type=int, default=256, help="episodes sampled per rollout phase")
+    parser.add_argument(
+        "--chunk-mb", type=float, default=64.0, help="chunk_size_mb of the wrapper (0.25 at most on the CPU)"
+    )
+    parser.add_argument(
+        "--resident-mb",
+        type=float,
+        default=None,
+        help="gpu_budget_mb: what stays resident until offload(); default 512 on a GPU, 0.5 on the CPU",
+    )
     args = parser.parse_args()
     gpu = torch.cuda.is_available()
     args.width = args.width or (4096 if gpu else 128)

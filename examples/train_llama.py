@@ -45,7 +45,8 @@ def train(args: argparse.Namespace) -> tuple[list[float], torch.nn.Module, Chunk
     size = args.size or ("1b" if device.type == "cuda" else "tiny")
     seq = args.seq or (2048 if device.type == "cuda" else 32)
     model = build(size, seq, device)
-    inner = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=device.type == "cuda")
+    lr = getattr(args, "lr", None) or (3e-4 if device.type == "cuda" else 1e-2)
+    inner = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, fused=device.type == "cuda")
     opt = ChunkedOffloadOptimizer(
         inner,
         chunk_size_mb=256,
@@ -53,7 +54,8 @@ def train(args: argparse.Namespace) -> tuple[list[float], torch.nn.Module, Chunk
         overlap=args.overlap,
         step_in_backward=args.step_in_backward,
     )
-    opt.attach(model)  # each module waits for its own params' update (a no-op gate without overlap)
+    if args.overlap or args.step_in_backward:
+        opt.attach(model)  # each module waits for its own params' update
     warmup = max(1, args.steps // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps)))
@@ -61,8 +63,11 @@ def train(args: argparse.Namespace) -> tuple[list[float], torch.nn.Module, Chunk
     vocab = model.config.vocab_size
     gen = torch.Generator(device=device).manual_seed(1)
     losses = []
+    positions = torch.arange(seq, device=device)
     for step in range(args.steps):
-        ids = torch.randint(0, vocab, (args.batch, seq), generator=gen, device=device)
+        # A task the model can learn, so that the loss falls: sequences that count up from a random token.
+        starts = torch.randint(0, vocab, (args.batch, 1), generator=gen, device=device)
+        ids = (starts + positions) % vocab
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()  # with step_in_backward=True, the chunks step in here
         if args.clip:
@@ -82,15 +87,18 @@ def train(args: argparse.Namespace) -> tuple[list[float], torch.nn.Module, Chunk
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", choices=sorted(SIZES))
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--batch", type=int, default=None, help="default 8 on a GPU, 2 on the CPU")
-    parser.add_argument("--seq", type=int)
-    parser.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--size", choices=sorted(SIZES), help="model size; default 1b on a GPU, tiny on the CPU")
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per step (default 8)")
+    parser.add_argument("--seq", type=int, help="tokens per sequence; default 2048 on a GPU, 32 on the CPU")
+    parser.add_argument(
+        "--overlap", action=argparse.BooleanOptionalAction, default=True, help="overlap the step with the next forward"
+    )
     parser.add_argument("--step-in-backward", action="store_true", help="step under the backward (turns clipping off)")
-    parser.add_argument("--log-every", type=int, default=5)
+    parser.add_argument("--log-every", type=int, default=5, help="print a line every this many steps")
+    parser.add_argument("--lr", type=float, help="peak learning rate; default 3e-4 on a GPU, 1e-2 on the CPU")
     args = parser.parse_args()
-    args.batch = args.batch or (8 if torch.cuda.is_available() else 2)
+    args.batch = args.batch or 8
     args.clip = not args.step_in_backward  # clipping would change the grads after the backward has stepped
     losses, model, opt = train(args)
     print(opt)

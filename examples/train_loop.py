@@ -24,11 +24,13 @@ def make_model(width: int, depth: int, device: torch.device) -> torch.nn.Module:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps")
     parser.add_argument("--width", type=int, default=None, help="default 2048 on a GPU, 256 on the CPU")
-    parser.add_argument("--depth", type=int, default=8)
-    parser.add_argument("--chunk-size-mb", type=float, default=64.0)
-    parser.add_argument("--master-weights", default="fp32", choices=["none", "fp32", "remainder"])
+    parser.add_argument("--depth", type=int, default=8, help="hidden layers of the MLP")
+    parser.add_argument("--chunk-size-mb", type=float, default=64.0, help="the wrapper's chunk_size_mb")
+    parser.add_argument(
+        "--master-weights", default="fp32", choices=["none", "fp32", "remainder"], help="the wrapper's master_weights"
+    )
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     width = args.width or (2048 if device.type == "cuda" else 256)

@@ -359,3 +359,52 @@ def fsdp2_gpu_masters(rank: int, world: int, port: int, backend: str, gating: st
         result[rank] = peaks
     finally:
         dist.destroy_process_group()
+
+
+def fsdp2_masters_dcp(rank: int, world: int, port: int, backend: str, path: str, result: Any) -> None:
+    """DCP save and load of a wrapper with offloaded masters under FSDP2: the resumed run continues bitwise."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    device = _init(rank, world, port, backend)
+    try:
+
+        def wrapped(seed: int) -> tuple[torch.nn.Module, ChunkedOffloadOptimizer]:
+            model = _shard(_model(device, seed).to(torch.bfloat16))
+            inner = INNERS["adamw-foreach"](model.parameters())
+            return model, ChunkedOffloadOptimizer(inner, chunk_size_mb=0.002, master_weights="fp32")
+
+        def train(model: torch.nn.Module, opt: Any, steps: range) -> None:
+            for step in steps:
+                x, y = (t.to(torch.bfloat16) for t in _batch(step, rank, device))
+                torch.nn.functional.mse_loss(model(x).float(), y.float()).backward()
+                opt.step()
+                opt.zero_grad()
+
+        reference, ref_opt = wrapped(0)
+        train(reference, ref_opt, range(10))
+        first, opt = wrapped(0)
+        train(first, opt, range(5))
+        dcp.save(
+            {"model": get_model_state_dict(first), "optim": get_optimizer_state_dict(first, opt)}, checkpoint_id=path
+        )
+        resumed, resumed_opt = wrapped(1)  # other weights: the checkpoint restores them, masters included
+        target = {"model": get_model_state_dict(resumed), "optim": get_optimizer_state_dict(resumed, resumed_opt)}
+        dcp.load(target, checkpoint_id=path)
+        set_model_state_dict(resumed, target["model"])
+        set_optimizer_state_dict(resumed, resumed_opt, target["optim"])
+        train(resumed, resumed_opt, range(5, 10))
+        ref_opt.synchronize()
+        resumed_opt.synchronize()
+        _assert_same(reference, resumed, ref_opt, resumed_opt)
+        masters = dict(resumed_opt.master_params())
+        for (_, m), q in zip(ref_opt.master_params(), resumed.parameters(), strict=True):
+            assert torch.equal(m, masters[q]), "masters differ"
+        result[rank] = True
+    finally:
+        dist.destroy_process_group()

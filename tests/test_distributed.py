@@ -62,3 +62,7 @@ def test_fsdp2_refuses_sharded_muon() -> None:
 def test_fsdp2_bf16_params_with_offloaded_masters_match_a_resident_master_loop(mode: str, gating: str) -> None:
     result = _spawn(dist_cases.fsdp2_masters, mode, gating)
     assert result[0] != result[1]  # uneven shards: each rank keeps the masters of its own shards
+
+
+def test_fsdp2_dcp_round_trip_keeps_the_offloaded_masters(tmp_path: Path) -> None:
+    assert _spawn(dist_cases.fsdp2_masters_dcp, str(tmp_path)) == {0: True, 1: True}

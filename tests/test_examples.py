@@ -53,3 +53,12 @@ def test_rl_loop_with_offload_matches_the_loop_without() -> None:
     assert len(freed) == 4
     for a, b in zip(with_offload, without, strict=True):
         assert torch.equal(a, b)
+
+
+def test_train_llama_learns_on_the_cpu() -> None:
+    """The CPU default trains on sequences that count up, so a newcomer sees the loss fall."""
+    pytest.importorskip("transformers")
+    example = _load("train_llama")
+    args = argparse.Namespace(size="tiny", steps=30, batch=8, seq=None, log_every=100, overlap=True)
+    losses, _, _ = example.train(argparse.Namespace(**vars(args), step_in_backward=False, clip=True))
+    assert losses[-1] < losses[0] / 3, losses

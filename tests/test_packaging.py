@@ -45,3 +45,46 @@ def test_every_file_the_readme_links_exists() -> None:
         if target.startswith(("http://", "https://", "#")):
             continue
         assert (ROOT / target.split("#")[0]).is_file(), f"README links {target}, which the repository lacks"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel and the source distribution, built from this checkout as a release would build them."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("build")
+    out = tmp_path_factory.mktemp("dist")
+    done = subprocess.run(
+        [sys.executable, "-m", "build", "--outdir", str(out), str(ROOT)], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return out
+
+
+def test_the_wheel_carries_the_metadata_a_package_page_needs(built: Path) -> None:
+    import email
+    import zipfile
+
+    (wheel,) = built.glob("*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        (meta_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        meta = email.message_from_string(z.read(meta_name).decode())
+    assert "bitwise identical" in meta["Summary"]
+    assert meta["Requires-Python"] == ">=3.10" and meta["License-Expression"] == "Apache-2.0"
+    assert "Programming Language :: Python :: 3" in meta.get_all("Classifier")
+    assert meta.get_all("Requires-Dist")[0] == "torch>=2.9"
+    assert sorted(meta.get_all("Provides-Extra")) == ["dev", "te"]  # what a user installs, and one for developers
+    assert "chunked_offload/py.typed" in names and not any(n.startswith("tests/") for n in names)
+    assert meta.get_payload().startswith("# chunked_offload")
+
+
+def test_the_source_distribution_ships_documents_and_no_benchmark_logs(built: Path) -> None:
+    import tarfile
+
+    (sdist,) = built.glob("*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        names = [n.split("/", 1)[1] for n in tar.getnames() if "/" in n]
+    assert {"README.md", "LICENSE", "CHANGELOG.md", "docs/design.md", "benchmarks/bench_step.py"} <= set(names)
+    assert not [n for n in names if n.startswith("benchmarks/results") or n.endswith((".log", ".csv"))]

@@ -261,7 +261,14 @@ def plan_layout(
         resident_budget = plan.resident_nbytes - 1
 
 
-# The caching allocator rounds every block up to 512 bytes; a chunk step allocates a few blocks per param.
+# [Note: Window bound]
+# What a step takes on the device beside the resident state, at most: num_slots slots of the plan's largest chunk
+# (a first step's fresh chunks, retained until their D2H, never take more than the slots would), plus the workspace
+# of the chunk step that takes the most beside them: state the inner creates while the slots are held (a param's
+# first step in a staged chunk), the master codec's temporaries (masters.codec_workspace), the inner's own
+# temporaries (Adapter.workspace_nbytes: none for fused kernels, an estimate for the others) and the caching
+# allocator's rounding of each block to 512 bytes. Measured on the H200 (tests/cuda: fused AdamW, fp32 and remainder
+# masters, FSDP2) the peak stays under it with no allowance.
 _BLOCK = 512
 
 

@@ -8,9 +8,12 @@ __all__ = ["Phase", "PhaseMachine"]
 
 
 class Phase(enum.Enum):
-    """What the wrapper is doing ([Note: Phases] in docs/design.md).
+    """What the wrapper is doing.
 
-    ::
+    [Note: Phases]
+    One value says what the wrapper is doing, and every change goes through ``PhaseMachine.to``, which refuses the
+    illegal ones. Each public method states the phases it runs in (``require``), and a joining call (state_dict,
+    offload, ...) first brings a DEFERRED step to IDLE::
 
         IDLE ──step()──> STEPPING ──> IDLE
           │                  └──────> DEFERRED ──(forward hooks, or any joining call)──> IDLE
