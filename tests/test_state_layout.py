@@ -144,3 +144,36 @@ def test_state_that_is_not_dense_is_still_refused() -> None:
         p.grad = torch.ones_like(p)
     with pytest.raises(RuntimeError, match=r"state 'buf' for param 0 .*strides \(60, 2\)"):
         opt.step()
+
+
+@pytest.mark.parametrize("fail_on", ["first", "later"])
+def test_a_step_that_fails_after_taking_the_grads_layout_rolls_back_and_retries_exactly(fail_on: str) -> None:
+    """The first chunk fails after the inner made its state in the grad's layout (before its write-back): nothing is
+    committed, the layout re-plans from what is left, and the same step again equals plain torch."""
+    from chunked_offload.stepping import ChunkStepper
+
+    ref_params, params = _params("transposed", 0), _params("transposed", 0)
+    ref = INNERS["sgd-foreach"](ref_params)
+    opt = ChunkedOffloadOptimizer(INNERS["sgd-foreach"](params), chunk_size_mb=4 * _KIB)
+    first = 0 if fail_on == "first" else 2
+    _run(ref, ref_params, "transposed", range(4))
+    _run(opt, params, "transposed", range(first))
+    for p, g in zip(params, _grads(params, "transposed", first), strict=True):
+        p.grad = g
+    original = ChunkStepper._rescan
+
+    def failing(self: Any, *args: Any, **kwargs: Any) -> Any:
+        original(self, *args, **kwargs)  # the state is rebound (and re-laid out) ...
+        raise KeyboardInterrupt  # ... and the chunk fails before its write-back
+
+    ChunkStepper._rescan = failing  # type: ignore[method-assign]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+    finally:
+        ChunkStepper._rescan = original  # type: ignore[method-assign]
+    opt.step()  # the same grads: the failed chunk was rolled back, nothing else had run
+    opt.zero_grad()
+    _run(opt, params, "transposed", range(first + 1, 4))
+    opt.synchronize()
+    _assert_same(ref, ref_params, opt, params)
