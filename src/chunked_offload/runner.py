@@ -200,6 +200,7 @@ class StepRunner:
 
     def _open_backward(self) -> BackwardStep:
         """The first final grad of a backward: the checks and opening of ``step()``, then the first H2D."""
+        self.flush()  # a step() of grads set by hand may have deferred chunks: they go first
         self.phase.require("a backward pass that steps", Phase.IDLE, Phase.OFFLOADED)
         self.context.prepare()
         if self.phase.resting is Phase.OFFLOADED:
@@ -288,8 +289,7 @@ class StepRunner:
     def synchronize(self) -> None:
         """Block the host until the last step's updates and write-backs have landed."""
         self.flush()
-        self.gate.synchronize()
-        self.pipeline.engine.synchronize()
+        self.placement.synchronize()
 
     def wait_for(self, indices: list[int], streams: Sequence[torch.cuda.Stream] = ()) -> None:
         """Before a forward reads these params: enqueue their deferred chunks, and wait for their updates."""
