@@ -94,13 +94,12 @@ def _fsdp_units(model: torch.nn.Module) -> dict[torch.nn.Module, list[torch.Tens
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch built without distributed
         return {}
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    nested = {id(m): {id(p) for n in units if n is not m and _within(n, m) for p in n.parameters()} for m in units}
-    return {m: [p for p in m.parameters() if id(p) not in nested[id(m)]] for m in units}
-
-
-def _within(inner: torch.nn.Module, outer: torch.nn.Module) -> bool:
-    return any(m is inner for m in outer.modules())
+    units: dict[torch.nn.Module, list[torch.Tensor]] = {}
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            nested = {id(p) for n in m.modules() if n is not m and isinstance(n, FSDPModule) for p in n.parameters()}
+            units[m] = [p for p in m.parameters() if id(p) not in nested]
+    return units
 
 
 def _fsdp_state(module: torch.nn.Module) -> Any:

@@ -7,7 +7,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .adapters import Adapter
 from .context import OpenStep
 from .dtensor import local
 from .pipeline import ChunkPipeline, Event, Pending, note_failure
@@ -43,7 +42,6 @@ class BackwardStep:
 
     Args:
         pipeline: the per-chunk operations ([Note: Chunk pipeline]).
-        adapter: where the inner optimizer reads grads.
         expected: the chunks to expect, in the order the backward should finish them.
         step: the outer step, opened by the caller.
         on_close: called once the step is closed (False) or aborted (True): the caller's own clean-up.
@@ -52,13 +50,11 @@ class BackwardStep:
     def __init__(
         self,
         pipeline: ChunkPipeline,
-        adapter: Adapter,
         expected: Sequence[Chunk],
         step: OpenStep,
         on_close: Callable[[bool], None],
     ) -> None:
         self.pipeline = pipeline
-        self.adapter = adapter
         self.expected = list(expected)
         self.counters = step.counters
         self.record = step.record
@@ -109,10 +105,8 @@ class BackwardStep:
         """End of the backward: step the chunks still open that have grads, then give the memory back."""
         if self.closed:
             return
-        grad_of = self.adapter.grad_of
-        infos = self.pipeline.require_layout().infos
         for chunk in self.expected:
-            if chunk.index in self._open and any(grad_of(infos[i].param) is not None for i in chunk.params):
+            if chunk.index in self._open and self.pipeline.grads(chunk):
                 self._run(chunk)
         with self.pipeline.gate.stepping():
             self.record.compute_done()
@@ -159,16 +153,12 @@ class BackwardStep:
             note_failure(exc, self._done + [chunk], position, committed)
             raise
 
-    def _grads(self, chunk: Chunk) -> list[tuple[int, torch.Tensor]]:
-        grad_of, infos = self.adapter.grad_of, self.pipeline.require_layout().infos
-        return [(i, g) for i in chunk.params if (g := grad_of(infos[i].param)) is not None]
-
     def _keep_grads_alive(self, chunk: Chunk) -> None:
-        self.pipeline.gate.keep_alive(local(g) for _, g in self._grads(chunk))
+        self.pipeline.gate.keep_alive(local(g) for _, g in self.pipeline.grads(chunk))
 
     def _record_versions(self, chunk: Chunk) -> None:
         """Each grad's version after its update: a later change (clipping, unscaling) is refused at ``step()``."""
-        for i, grad in self._grads(chunk):
+        for i, grad in self.pipeline.grads(chunk):
             self.versions[i] = grad._version
 
     def _take_staged(self, chunk: Chunk, slot: Slot) -> tuple[bool, Event]:

@@ -87,6 +87,15 @@ class ChunkPipeline:
     def slot_for(self, position: int) -> Slot:
         return self.pool.slot_for(position)
 
+    def grad_of(self, index: int) -> torch.Tensor | None:
+        """The grad the inner optimizer reads for param ``index`` (the adapter's rule)."""
+        layout, stepper = self._require()
+        return stepper.adapter.grad_of(layout.infos[index].param)
+
+    def grads(self, chunk: Chunk) -> list[tuple[int, torch.Tensor]]:
+        """``(param index, grad)`` of the chunk's params that have one."""
+        return [(i, g) for i in chunk.params if (g := self.grad_of(i)) is not None]
+
     def has_state(self, chunk: Chunk) -> bool:
         """Whether the chunk is staged (its state exists) rather than fresh (its first step creates it)."""
         if chunk.state_nbytes == 0:

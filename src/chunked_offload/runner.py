@@ -98,9 +98,10 @@ class StepRunner:
     def step(self, closure: Callable[[], Any] | None, scaler: Mapping[str, torch.Tensor]) -> Any:
         """One outer step ([Note: Step modes]); ``scaler`` holds GradScaler's tensors set on the wrapper."""
         self.phase.require("step()", Phase.IDLE, Phase.OFFLOADED, Phase.DEFERRED, Phase.IN_BACKWARD, Phase.ACCUMULATING)
-        args, kwargs = self.context.run_inner_hooks("_optimizer_step_pre_hooks", (closure,) if closure else (), {})
+        args = (closure,) if closure is not None else ()
+        args, kwargs = self.context.run_inner_hooks("_optimizer_step_pre_hooks", args, {})
         closure = args[0] if args else kwargs.get("closure")
-        if Phase.IN_BACKWARD in (self.phase.phase, self.phase.resting):
+        if self.phase.resting is Phase.IN_BACKWARD:  # inside accumulating() too
             if closure is not None:
                 raise ValueError("step(closure) with step_in_backward=True: the backward pass has already stepped")
             self._finish_in_backward(scaler)
@@ -113,8 +114,7 @@ class StepRunner:
         chunks = self.chunks_to_step()
         skip_staged = skipped_by_scaler(scaler)
         defer = self._may_defer(skip_staged, scaler)
-        infos, grad_of = self.placement.infos, self.adapter.grad_of
-        self.gate.keep_alive(local(g) for c in chunks for i in c.params if (g := grad_of(infos[i].param)) is not None)
+        self.gate.keep_alive(local(g) for c in chunks for _, g in self.pipeline.grads(c))
         resting = self.phase.phase
         self.phase.to(Phase.STEPPING)
         try:
@@ -151,14 +151,16 @@ class StepRunner:
 
     def chunks_to_step(self) -> list[Chunk]:
         """Check that a step can run, bring the layout up to date; the chunks with at least one grad."""
-        self.flush()  # the last step's deferred chunks go first
+        self._prepare()
+        check_grads(self.placement.infos, self.adapter)
+        return [c for c in self.placement.plan.all_chunks if self.pipeline.grads(c)]
+
+    def _prepare(self) -> None:
+        """Before a step opens: deferred chunks go first, the layout is brought up to date, resident state is back."""
+        self.flush()
         self.context.prepare()
-        infos = self.placement.infos
-        check_grads(infos, self.adapter)
         if self.phase.resting is Phase.OFFLOADED:
             self.placement.reload(non_blocking=False)
-        grad_of = self.adapter.grad_of
-        return [c for c in self.placement.plan.all_chunks if any(grad_of(infos[i].param) is not None for i in c.params)]
 
     def _may_defer(self, skip_staged: bool, scaler: Mapping[str, torch.Tensor]) -> bool:
         """Whether this step may leave its later chunks to the forwards that read them ([Note: Deferred chunks])."""
@@ -200,11 +202,8 @@ class StepRunner:
 
     def _open_backward(self) -> BackwardStep:
         """The first final grad of a backward: the checks and opening of ``step()``, then the first H2D."""
-        self.flush()  # a step() of grads set by hand may have deferred chunks: they go first
-        self.phase.require("a backward pass that steps", Phase.IDLE, Phase.OFFLOADED)
-        self.context.prepare()
-        if self.phase.resting is Phase.OFFLOADED:
-            self.placement.reload(non_blocking=False)
+        self._prepare()  # a step() of grads set by hand may have deferred chunks: they go first
+        self.phase.require("a backward pass that steps", Phase.IDLE)
         self.pipeline.drop_prefetch()
         self.context.run_inner_hooks("_optimizer_step_pre_hooks", (), {})
         self.phase.to(Phase.IN_BACKWARD)
@@ -221,7 +220,7 @@ class StepRunner:
                 self.phase.to(Phase.IDLE)
 
         expected = list(reversed(self.placement.plan.all_chunks))
-        backward = self.backward = BackwardStep(self.pipeline, self.adapter, expected, step, on_close)
+        backward = self.backward = BackwardStep(self.pipeline, expected, step, on_close)
         self.last_step = step.record
         backward.begin()
         return backward
@@ -238,9 +237,8 @@ class StepRunner:
                 "GradScaler with step_in_backward=True: the backward pass stepped with the scaled grads before the "
                 "scaler could unscale them or skip the step. Use step_in_backward=False with loss scaling"
             )
-        infos, grad_of = self.placement.infos, self.adapter.grad_of
         versions = backward.versions if backward is not None else {}
-        changed = [i for i, v in versions.items() if (g := grad_of(infos[i].param)) is not None and g._version != v]
+        changed = [i for i, v in versions.items() if (g := self.pipeline.grad_of(i)) is not None and g._version != v]
         if changed:
             raise RuntimeError(
                 f"the grads of {len(changed)} params (first: param {changed[0]}) were changed after the backward pass "

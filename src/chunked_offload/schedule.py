@@ -116,8 +116,7 @@ class StepSchedule:
             if run.counters.changed():  # the inner keeps counters in the groups: every chunk runs now, in order
                 self._advance(run, len(chunks) - 1, first=False)
             else:
-                grad_of, infos = self.adapter.grad_of, pipeline.require_layout().infos
-                run.grads = {i: grad_of(infos[i].param) for c in run.chunks[run.next :] for i in c.params}
+                run.grads = {i: pipeline.grad_of(i) for c in run.chunks[run.next :] for i in c.params}
                 self.deferred = run
 
     def advance(self, indices: Sequence[int] | None) -> None:
