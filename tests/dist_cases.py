@@ -277,86 +277,80 @@ def fsdp2_gpu_masters(rank: int, world: int, port: int, backend: str, gating: st
     try:
         from torch.distributed.fsdp import fully_shard
 
-        from chunked_offload.stepping import ChunkStepper
+        from reference import slowed_chunk_steps
 
-        original = ChunkStepper._narrowed_step
+        with slowed_chunk_steps():  # every chunk's step starts about 10 ms late
 
-        def slowed(self: Any, *args: Any, **kwargs: Any) -> Any:
-            torch.cuda._sleep(20_000_000)  # about 10 ms on the stream the chunk steps on
-            return original(self, *args, **kwargs)
+            def model() -> torch.nn.Module:
+                torch.manual_seed(0)
+                m = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).to(device, torch.bfloat16)
+                for layer in m:
+                    fully_shard(layer)
+                return fully_shard(m)
 
-        ChunkStepper._narrowed_step = slowed  # type: ignore[method-assign]
+            def batch(step: int) -> torch.Tensor:
+                gen = torch.Generator(device=device).manual_seed(step)
+                return torch.randn(256, 2048, generator=gen, device=device, dtype=torch.bfloat16)
 
-        def model() -> torch.nn.Module:
-            torch.manual_seed(0)
-            m = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).to(device, torch.bfloat16)
-            for layer in m:
-                fully_shard(layer)
-            return fully_shard(m)
+            def peak_of(run: Any) -> int:  # each loop alone on the GPU: its own peak
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                run()
+                torch.cuda.synchronize()
+                return torch.cuda.max_memory_allocated()
 
-        def batch(step: int) -> torch.Tensor:
-            gen = torch.Generator(device=device).manual_seed(step)
-            return torch.randn(256, 2048, generator=gen, device=device, dtype=torch.bfloat16)
+            def resident() -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
+                """The resident fp32-master loop alone on the GPU: its peak, final params and masters (on the host)."""
+                plain_model = model()
+                masters = [torch.nn.Parameter(p.detach().float()) for p in plain_model.parameters()]
+                ref = torch.optim.AdamW(masters, lr=1e-3, fused=True)
 
-        def peak_of(run: Any) -> int:  # each loop alone on the GPU: its own peak
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            run()
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated()
+                def loop() -> None:
+                    for step in range(5):
+                        plain_model(batch(step)).float().square().mean().backward()
+                        for m, p in zip(masters, plain_model.parameters(), strict=True):
+                            m.grad = p.grad.float()
+                        ref.step()
+                        for m, p in zip(masters, plain_model.parameters(), strict=True):
+                            p.detach().copy_(m.detach())
+                        ref.zero_grad()
+                        plain_model.zero_grad()
 
-        def resident() -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
-            """The resident fp32-master loop alone on the GPU: its peak, final params and masters (on the host)."""
-            plain_model = model()
-            masters = [torch.nn.Parameter(p.detach().float()) for p in plain_model.parameters()]
-            ref = torch.optim.AdamW(masters, lr=1e-3, fused=True)
+                peak = peak_of(loop)
+                return (
+                    peak,
+                    [_local(p.detach()).cpu() for p in plain_model.parameters()],
+                    [_local(m.detach()).cpu() for m in masters],
+                )
 
-            def loop() -> None:
-                for step in range(5):
-                    plain_model(batch(step)).float().square().mean().backward()
-                    for m, p in zip(masters, plain_model.parameters(), strict=True):
-                        m.grad = p.grad.float()
-                    ref.step()
-                    for m, p in zip(masters, plain_model.parameters(), strict=True):
-                        p.detach().copy_(m.detach())
-                    ref.zero_grad()
-                    plain_model.zero_grad()
+            resident_peak, expected, expected_masters = resident()
+            peaks = {"resident": resident_peak}
 
-            peak = peak_of(loop)
-            return (
-                peak,
-                [_local(p.detach()).cpu() for p in plain_model.parameters()],
-                [_local(m.detach()).cpu() for m in masters],
+            wrapped_model = model()
+            wrapped = ChunkedOffloadOptimizer(
+                torch.optim.AdamW(wrapped_model.parameters(), lr=1e-3, fused=True),
+                chunk_size_mb=16,
+                master_weights="fp32",
+                overlap=gating == "overlap",
+                step_in_backward=gating == "backward",
             )
+            wrapped.attach(wrapped_model)
 
-        resident_peak, expected, expected_masters = resident()
-        peaks = {"resident": resident_peak}
+            def wrapped_loop() -> None:
+                for step in range(5):
+                    wrapped_model(batch(step)).float().square().mean().backward()
+                    wrapped.step()
+                    wrapped.zero_grad()
+                wrapped.synchronize()
 
-        wrapped_model = model()
-        wrapped = ChunkedOffloadOptimizer(
-            torch.optim.AdamW(wrapped_model.parameters(), lr=1e-3, fused=True),
-            chunk_size_mb=16,
-            master_weights="fp32",
-            overlap=gating == "overlap",
-            step_in_backward=gating == "backward",
-        )
-        wrapped.attach(wrapped_model)
-
-        def wrapped_loop() -> None:
-            for step in range(5):
-                wrapped_model(batch(step)).float().square().mean().backward()
-                wrapped.step()
-                wrapped.zero_grad()
-            wrapped.synchronize()
-
-        peaks["wrapped"] = peak_of(wrapped_loop)
-        for a, b in zip(expected, wrapped_model.parameters(), strict=True):
-            assert torch.equal(a, _local(b.detach()).cpu()), "params differ"
-        got = dict(wrapped.master_params())
-        for m, p in zip(expected_masters, wrapped_model.parameters(), strict=True):
-            assert torch.equal(m, got[p].cpu()), "masters differ"
-        result[rank] = peaks
+            peaks["wrapped"] = peak_of(wrapped_loop)
+            for a, b in zip(expected, wrapped_model.parameters(), strict=True):
+                assert torch.equal(a, _local(b.detach()).cpu()), "params differ"
+            got = dict(wrapped.master_params())
+            for m, p in zip(expected_masters, wrapped_model.parameters(), strict=True):
+                assert torch.equal(m, got[p].cpu()), "masters differ"
+            result[rank] = peaks
     finally:
         dist.destroy_process_group()
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -157,6 +158,25 @@ def partly_resident_adamw() -> tuple[list[torch.nn.Parameter], list[torch.nn.Par
         torch.optim.AdamW(params, lr=1e-3, fused=True), chunk_size_mb=16, gpu_budget_mb=budget_mb
     )
     return ref_params, params, ref, opt
+
+
+@contextlib.contextmanager
+def slowed_chunk_steps(cycles: int = 20_000_000) -> Iterator[None]:
+    """Every chunk's step starts ``cycles`` GPU cycles late (20M: about 10 ms) on whatever stream runs it, so that a
+    reader that does not wait for the step overtakes it."""
+    from chunked_offload.stepping import ChunkStepper
+
+    original = ChunkStepper._narrowed_step
+
+    def slowed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        torch.cuda._sleep(cycles)
+        return original(self, *args, **kwargs)
+
+    ChunkStepper._narrowed_step = slowed  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ChunkStepper._narrowed_step = original  # type: ignore[method-assign]
 
 
 def settled_cuda_memory() -> int:

@@ -3,6 +3,7 @@ so that a missing wait shows, bitwise the same compiled loop with the synchronou
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -10,8 +11,7 @@ import pytest
 import torch
 
 from chunked_offload import ChunkedOffloadOptimizer
-from chunked_offload.stepping import ChunkStepper
-from reference import assert_equal
+from reference import assert_equal, slowed_chunk_steps
 
 pytestmark = pytest.mark.cuda
 SLEEP = 20_000_000  # GPU cycles, about 10 ms per chunk
@@ -49,22 +49,12 @@ def _train(mode: str, compile_mode: str, attach_first: bool, slow: bool, steps: 
         if not attach_first:
             opt.attach(model)
     gen = torch.Generator(device="cuda").manual_seed(1)
-    original = ChunkStepper._narrowed_step
-
-    def slowed(self: Any, *args: Any, **kwargs: Any) -> Any:
-        torch.cuda._sleep(SLEEP)
-        return original(self, *args, **kwargs)
-
-    try:
-        if slow:
-            ChunkStepper._narrowed_step = slowed  # type: ignore[method-assign]
+    with slowed_chunk_steps(SLEEP) if slow else contextlib.nullcontext():
         for _ in range(steps):
             x = torch.randn(64, 1024, device="cuda", generator=gen, dtype=torch.bfloat16)
             forward(x).float().square().mean().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-    finally:
-        ChunkStepper._narrowed_step = original  # type: ignore[method-assign]
     opt.wait_step()
     torch.cuda.synchronize()
     return [p.detach().clone() for p in model.parameters()]
