@@ -599,3 +599,49 @@ def test_a_wrapper_dropped_with_deferred_chunks_still_updates_its_params() -> No
     del opt, chain  # nothing will ask for the deferred chunks: the wrapper's finalizer enqueues them
     for i, (a, b) in enumerate(zip(ref_params, params, strict=True)):
         assert_equal(a, b, f"param {i}")
+
+
+class _Backwards(Chain):
+    """Reads its last params first, as FSDP2's root unit all-gathers the LM head before the first layer runs."""
+
+    def forward(self) -> torch.Tensor:
+        first = [self.links[-1], self.links[-2]]
+        return torch.stack([link() for link in [*first, *self.links[:-2]]]).sum()
+
+
+def test_an_overlapped_step_runs_its_chunks_in_the_order_the_forward_reads_them() -> None:
+    ref_params, params = make_params([(16, 16)] * 12), make_params([(16, 16)] * 12)
+    ref = torch.optim.AdamW(ref_params, lr=1e-2)
+    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(params, lr=1e-2), chunk_size_mb=4 * _KIB, overlap=True)
+    model = _Backwards(params)
+    opt.attach(model)
+    last, second_last = len(params) - 1, len(params) - 2
+    for k in range(4):
+        ref.zero_grad()
+        set_grads(ref_params, make_grads(ref_params, k))
+        ref.step()
+        model()
+        set_grads(params, make_grads(params, k))
+        opt.step()
+        run = opt._schedule.deferred if opt._schedule is not None else None
+        if k > 0:  # the first step creates state and never defers
+            assert run is not None
+            assert run.chunks[0].params[-1] == last and second_last in run.chunks[0].params + run.chunks[1].params
+            assert opt.phase is Phase.DEFERRED
+            model.links[-1]()  # the first read asks only for the head: nothing after it is enqueued yet
+            assert opt._schedule.deferred is run and run.next < len(run.chunks)
+        opt.zero_grad()
+    model()
+    _assert_same(ref, ref_params, opt, params)
+
+
+def test_a_plain_step_keeps_parameter_order_whatever_the_forward_read() -> None:
+    params = make_params([(16, 16)] * 12)
+    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(params, lr=1e-2), chunk_size_mb=4 * _KIB)
+    model = _Backwards(params)
+    opt.attach(model)  # warns: nothing to gate without overlap
+    for k in range(2):
+        model()
+        set_grads(params, make_grads(params, k))
+        assert [c.index for c in opt._runner.chunks_to_step()] == sorted(c.index for c in opt.plan.all_chunks)
+        opt.step()

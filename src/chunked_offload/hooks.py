@@ -29,6 +29,8 @@ class Runtime(Protocol):
 
     def join(self) -> None: ...
 
+    def forward_done(self) -> None: ...
+
     def grad_final(self, param: torch.Tensor) -> None: ...
 
     def index_of(self, param: torch.Tensor) -> int | None: ...
@@ -70,7 +72,7 @@ def attach(model: torch.nn.Module, runtime: Runtime) -> AttachHandle:
     def after_forward(module: torch.nn.Module, args: Any, output: Any) -> None:
         target = ref()
         if target is not None:
-            target.join()
+            target.forward_done()
 
     @opaque
     def before_state_dict(module: torch.nn.Module, *args: Any) -> None:

@@ -37,14 +37,24 @@ class StepRunner:
 
     [Note: Step modes]
     - ``step()`` opens a step (``StepContext``), and the ordered driver (``StepSchedule``) steps the chunks with a
-      grad in parameter order. With ``overlap=True`` they run on the gate's stream; with an attached model only the
-      first ``num_slots`` are enqueued and the rest are *deferred* to the forward hooks that read their params
-      (phase DEFERRED). Without an attached model the caller's stream waits for the whole step.
+      grad in parameter order, or in the order the forward reads them ([Note: Read order]). With ``overlap=True``
+      they run on the gate's stream; with an attached model only the first ``num_slots`` are enqueued and the rest
+      are *deferred* to the forward hooks that read their params (phase DEFERRED). Without an attached model the
+      caller's stream waits for the whole step.
     - With ``step_in_backward=True`` the first final grad of a backward opens the step, and the event-driven driver
       (``BackwardStep``) steps each chunk once its grads are final (phase IN_BACKWARD); ``step()`` then only checks
       that nothing changed the grads afterwards.
     - Every call that reads or writes what a step touches first enqueues what is deferred (``flush``) and orders
       the caller's stream after the step (``join``); ``synchronize`` waits on the host.
+
+    [Note: Read order]
+    An overlapped step is only as early as the chunk the next forward waits for first. That is not always the first
+    chunk: FSDP2's root unit all-gathers the embedding, the final norm and the LM head before the first layer runs, so
+    its forward waited for the last chunk, that is for the whole step (measured: 1.11x of the floor exposed on the
+    H200, more than the synchronous step). So the pre-hooks of an attached model record the order in which the
+    forward after a step first asks for each param, and the next overlapped steps run their chunks in that order
+    (params never asked for last, in parameter order). Each chunk's update is the same whatever the order (the
+    inner steps each param on its own, as in the backward's order of ``step_in_backward``), so this is bitwise.
 
     Args:
         inner: the wrapped optimizer.
@@ -85,6 +95,10 @@ class StepRunner:
         self.post_hooks = post_hooks
         self.last_step: StepRecord | None = None
         self.backward: BackwardStep | None = None  # while IN_BACKWARD
+        # [Note: Read order]: param index -> rank of its first read in the forward being recorded, and in the last
+        # whole forward of an attached model.
+        self._reads: dict[int, int] | None = None
+        self.read_order: dict[int, int] = {}
 
     @property
     def pipeline(self) -> ChunkPipeline:
@@ -134,6 +148,7 @@ class StepRunner:
             self.flush()
             self.phase.to(Phase.ACCUMULATING)
         record = self.last_step = step.record
+        self._reads = {}  # the next forward's reads order the next step's chunks
         if self.overlap and not self.gate.attached:
             self.notices.warn(
                 "overlap-unattached",
@@ -150,10 +165,15 @@ class StepRunner:
         return loss
 
     def chunks_to_step(self) -> list[Chunk]:
-        """Check that a step can run, bring the layout up to date; the chunks with at least one grad."""
+        """Check that a step can run, bring the layout up to date; the chunks with at least one grad, in the order
+        the step runs them ([Note: Read order])."""
         self._prepare()
         check_grads(self.placement.infos, self.adapter)
-        return [c for c in self.placement.plan.all_chunks if self.pipeline.grads(c)]
+        chunks = [c for c in self.placement.plan.all_chunks if self.pipeline.grads(c)]
+        if self.overlap and self.gate.attached and self.read_order:
+            unread = len(self.read_order)
+            chunks.sort(key=lambda c: min(self.read_order.get(i, unread) for i in c.params))
+        return chunks
 
     def _prepare(self) -> None:
         """Before a step opens: deferred chunks go first, the layout is brought up to date, resident state is back."""
@@ -291,6 +311,9 @@ class StepRunner:
 
     def wait_for(self, indices: list[int], streams: Sequence[torch.cuda.Stream] = ()) -> None:
         """Before a forward reads these params: enqueue their deferred chunks, and wait for their updates."""
+        if self._reads is not None:
+            for i in indices:
+                self._reads.setdefault(i, len(self._reads))
         if self.phase.phase is Phase.DEFERRED:
             self.schedule.advance(indices)
         self.gate.wait_params(indices, streams)
@@ -298,8 +321,16 @@ class StepRunner:
     def index_of(self, param: torch.Tensor) -> int | None:
         return self.placement.binding.index_of(param)
 
+    def forward_done(self) -> None:
+        """An attached model's forward returned: the caller's stream goes on after the step; keep its read order."""
+        self.join()
+        if self._reads:
+            self.read_order, self._reads = self._reads, None
+
     def attached(self, delta: int) -> None:
         self.gate.attached += delta
+        if delta > 0:
+            self._reads = {}
 
     def stats(self) -> StepStats | None:
         self.flush()
