@@ -52,7 +52,7 @@ class _Net(torch.nn.Module):
         return x
 
 
-def _train(mode: str, compiled: bool, checkpointing: str, steps: int = 4) -> list[torch.Tensor]:
+def _train(mode: str, compiled: bool, checkpointing: str, steps: int = 4, blocks: bool = False) -> list[torch.Tensor]:
     """bf16 params, fp32 masters in the wrapper, AdamW; the synchronous wrapper is the reference ("sync")."""
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -65,7 +65,7 @@ def _train(mode: str, compiled: bool, checkpointing: str, steps: int = 4) -> lis
         step_in_backward=mode == "backward",
     )
     if mode != "sync":
-        opt.attach(model)
+        opt.attach(model, blocks=blocks)
     forward: Any = torch.compile(model) if compiled else model
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
@@ -89,6 +89,62 @@ def test_every_mode_matches_the_same_synchronous_loop(mode: str, compiled: bool,
     got = _train(mode, compiled, checkpointing)
     for i, (a, b) in enumerate(zip(_reference(compiled, checkpointing), got, strict=True)):
         assert_equal(a, b, f"param {i}")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("mode", MODES)
+def test_gating_whole_blocks_matches_the_same_synchronous_loop(mode: str, compiled: bool) -> None:
+    got = _train(mode, compiled, "none", blocks=True)
+    for i, (a, b) in enumerate(zip(_reference(compiled, "none"), got, strict=True)):
+        assert_equal(a, b, f"param {i}")
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(24, 48), torch.nn.Linear(48, 24)
+        self.norm = torch.nn.LayerNorm(24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 24)
+        self.layers = torch.nn.ModuleList(_Layer() for _ in range(3))
+        self.head = torch.nn.Linear(24, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_gating_whole_blocks_breaks_the_graph_once_per_block() -> None:
+    torch._dynamo.reset()
+    model = _Stack()
+    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(model.parameters()), chunk_size_mb=4 * _KIB, overlap=True)
+    per_module = opt.attach(model)
+    assert len(per_module) == 2 + 3 * 3
+    per_module.remove()
+    handle = opt.attach(model, blocks=True)
+    assert len(handle) == 2 + 3  # embed, the three layers, head
+    x = torch.randn(3, 8)
+    model(x).sum().backward()
+    opt.step()
+    explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count <= len(handle), explained.break_reasons
+    waited: list[list[int]] = []
+    original = opt._gate.wait_params
+    opt._gate.wait_params = lambda indices, streams=(): (waited.append(list(indices)), original(indices))[1]  # type: ignore
+    model(x)
+    assert [len(w) for w in waited] == [2, 6, 6, 6, 2]  # a layer waits for its six params at once
+    assert sorted(i for w in waited for i in w) == list(range(len(opt.plan.bundles)))
+    with pytest.raises(TypeError, match="blocks must be True or False"):
+        opt.attach(model, blocks="yes")  # type: ignore[arg-type]
 
 
 def test_the_forward_hooks_add_at_most_one_graph_break_per_attached_module_and_all_run() -> None:

@@ -34,6 +34,7 @@ ORDER = [
     "phase",
     "pipeline",
     "placement",
+    "budget",
     "context",
     "schedule",
     "in_backward",

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .adapters import Adapter
+from .adapters import Adapter, check_groups
 from .dtensor import is_dtensor
 from .layout import ParamInfo
 from .masters import MasterMode, needs_master
@@ -23,6 +23,7 @@ __all__ = [
     "check_options",
     "check_params",
     "check_sharding",
+    "check_wrappable",
     "common_device",
 ]
 
@@ -37,6 +38,7 @@ def check_options(
     gpu_budget_mb: Any,
     overlap: Any,
     step_in_backward: Any = False,
+    gpu_headroom_mb: Any = None,
 ) -> None:
     """The constructor's keyword options."""
     if isinstance(chunk_size_mb, bool) or not isinstance(chunk_size_mb, (int, float)):
@@ -53,11 +55,24 @@ def check_options(
         raise TypeError(f"offload_fraction must be a number in [0, 1], got {type(fraction).__name__}")
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"offload_fraction must be in [0, 1], got {fraction}")
-    if gpu_budget_mb is not None:
+    if isinstance(gpu_budget_mb, str):
+        if gpu_budget_mb != "auto":
+            raise TypeError(f"gpu_budget_mb must be a number of MiB or 'auto', got {gpu_budget_mb!r}")
+    elif gpu_budget_mb is not None:
         if isinstance(gpu_budget_mb, bool) or not isinstance(gpu_budget_mb, (int, float)):
-            raise TypeError(f"gpu_budget_mb must be a number of MiB, got {type(gpu_budget_mb).__name__}")
+            raise TypeError(f"gpu_budget_mb must be a number of MiB or 'auto', got {type(gpu_budget_mb).__name__}")
         if not (math.isfinite(gpu_budget_mb) and gpu_budget_mb >= 0):
             raise ValueError(f"gpu_budget_mb must be a finite number >= 0, got {gpu_budget_mb}")
+    if gpu_headroom_mb is not None:
+        if gpu_budget_mb != "auto":
+            raise ValueError(
+                f"gpu_headroom_mb={gpu_headroom_mb} applies to gpu_budget_mb='auto' only (given "
+                f"gpu_budget_mb={gpu_budget_mb!r}): pass gpu_budget_mb='auto', or leave gpu_headroom_mb out"
+            )
+        if isinstance(gpu_headroom_mb, bool) or not isinstance(gpu_headroom_mb, (int, float)):
+            raise TypeError(f"gpu_headroom_mb must be a number of MiB, got {type(gpu_headroom_mb).__name__}")
+        if not (math.isfinite(gpu_headroom_mb) and gpu_headroom_mb >= 0):
+            raise ValueError(f"gpu_headroom_mb must be a finite number >= 0, got {gpu_headroom_mb}")
     if not isinstance(overlap, bool):
         raise TypeError(f"overlap must be True or False, got {overlap!r}")
     if not isinstance(step_in_backward, bool):
@@ -84,6 +99,13 @@ def check_inner(inner: object, wrapper: type) -> None:
                 "Build the optimizer first: ChunkedOffloadOptimizer(torch.optim.AdamW(model.parameters()))"
             )
         raise TypeError(f"inner must be a torch.optim.Optimizer instance, got {type(inner).__name__}")
+
+
+def check_wrappable(inner: torch.optim.Optimizer) -> None:
+    """The inner is not wrapped yet, and its groups and params are ones the wrapper can plan."""
+    check_not_wrapped(inner)
+    check_groups(inner)
+    check_params(inner.param_groups)
 
 
 def check_not_wrapped(inner: torch.optim.Optimizer) -> None:

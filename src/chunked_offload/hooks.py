@@ -38,7 +38,7 @@ class Runtime(Protocol):
     def attached(self, delta: int) -> None: ...
 
 
-def attach(model: torch.nn.Module, runtime: Runtime) -> AttachHandle:
+def attach(model: torch.nn.Module, runtime: Runtime, *, blocks: bool = False) -> AttachHandle:
     """Gate the forward of every module of ``model`` that holds params on the updates of those params.
 
     [Note: Attached forward]
@@ -50,16 +50,26 @@ def attach(model: torch.nn.Module, runtime: Runtime) -> AttachHandle:
     left of a deferred step and orders the backward after the whole step (so nothing of the step runs beside the
     backward's writes into the grads). ``state_dict()`` and ``load_state_dict()`` of the model and of those modules
     join the step first: they read or write the params.
+
+    With ``blocks=True`` each element of an ``nn.ModuleList`` (a transformer's layers) is gated as a whole: its
+    forward waits for every param of its subtree, and the modules inside it have no hook of their own. Under
+    torch.compile that is one graph break per block instead of one per module with params ([Note: Opaque to
+    dynamo]), at the price of a block's first module waiting for the block's last chunk.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"attach() takes a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(blocks, bool):
+        raise TypeError(f"blocks must be True or False, got {blocks!r}")
     ref = weakref.ref(runtime)  # the model must not keep the wrapper (and its host memory) alive
     units = _fsdp_units(model)
+    gates = _gates(model, units, blocks)
 
     def params_of(module: torch.nn.Module) -> list[torch.Tensor]:
         if module in units:
             prefetched = getattr(_fsdp_state(module), "_states_to_forward_prefetch", [])
             extra = [p for state in prefetched for m in getattr(state, "_modules", ()) for p in units.get(m, [])]
-            return [*units[module], *extra]
-        return [p for p in module._parameters.values() if p is not None]
+            return [*gates[module], *extra]
+        return gates[module]
 
     @opaque
     def before_forward(module: torch.nn.Module, args: Any) -> None:
@@ -80,7 +90,7 @@ def attach(model: torch.nn.Module, runtime: Runtime) -> AttachHandle:
         if target is not None:
             target.join()
 
-    gated = [m for m in model.modules() if m in units or any(True for _ in m.parameters(recurse=False))]
+    gated = list(gates)
     handles = [m.register_forward_pre_hook(before_forward, prepend=True) for m in gated]
     readers = []
     for module in {id(m): m for m in [model, *gated]}.values():
@@ -88,6 +98,38 @@ def attach(model: torch.nn.Module, runtime: Runtime) -> AttachHandle:
         readers.append(module.register_load_state_dict_pre_hook(before_state_dict))
     runtime.attached(+1)
     return AttachHandle(handles, model.register_forward_hook(after_forward), readers, ref)
+
+
+def _gates(
+    model: torch.nn.Module, units: dict[torch.nn.Module, list[torch.Tensor]], blocks: bool
+) -> dict[torch.nn.Module, list[torch.Tensor]]:
+    """The modules whose forward waits, in ``model.modules()`` order, and the params each waits for.
+
+    FSDP2 units wait for what they manage; with ``blocks``, each element of an ``nn.ModuleList`` that is not inside
+    another block waits for its subtree's params (less those of units inside it); every other module with params of
+    its own, outside the blocks, waits for those.
+    """
+    gates: dict[torch.nn.Module, list[torch.Tensor]] = {}
+    inside: set[int] = set()  # modules within a block (the block itself excluded)
+    if blocks:
+        for container in model.modules():
+            if not isinstance(container, torch.nn.ModuleList) or id(container) in inside:
+                continue
+            for block in container.children():
+                if id(block) in inside or block in units:
+                    continue
+                nested = {id(p) for n in block.modules() if n in units for p in n.parameters()}
+                gates[block] = [p for p in block.parameters() if id(p) not in nested]
+                inside.update(id(m) for m in block.modules() if m is not block)
+    for m in model.modules():
+        if m in units:
+            gates[m] = units[m]
+        elif id(m) not in inside and m not in gates:
+            own: list[torch.Tensor] = [p for p in m._parameters.values() if p is not None]
+            if own:
+                gates[m] = own
+    order = {m: i for i, m in enumerate(model.modules())}
+    return dict(sorted(gates.items(), key=lambda item: order[item[0]]))
 
 
 def _fsdp_units(model: torch.nn.Module) -> dict[torch.nn.Module, list[torch.Tensor]]:

@@ -12,16 +12,9 @@ from typing import Any
 import torch
 
 from . import state_dict as checkpoint
-from .adapters import Adapter, check_groups, resolve_adapter
-from .checks import (
-    check_inner,
-    check_master_mode,
-    check_not_wrapped,
-    check_options,
-    check_params,
-    check_sharding,
-    common_device,
-)
+from .adapters import Adapter, resolve_adapter
+from .budget import AutoBudget, budget_options
+from .checks import check_inner, check_master_mode, check_options, check_sharding, check_wrappable, common_device
 from .context import StepContext, scaler_tensors
 from .hooks import AttachHandle, attach, opaque, register_grad_hooks, weak_callback
 from .layout import Layout
@@ -71,7 +64,9 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
             (the last params) stays resident on the device and never crosses the link. Default 1.0.
         gpu_budget_mb: instead of ``offload_fraction``: device memory in MiB the wrapper may hold, staging window
             included. What the window leaves holds the state of the first params resident, whole bundles as far
-            as they fit ([Note: What stays resident]); the rest is offloaded.
+            as they fit ([Note: What stays resident]); the rest is offloaded. ``"auto"``: from the second step on,
+            the device memory the training leaves unused, less ``gpu_headroom_mb`` ([Note: Auto budget]).
+        gpu_headroom_mb: with ``gpu_budget_mb="auto"``, MiB left free beside the measured peak (default 2048).
         num_slots: device staging slots; 2 overlaps H2D, compute and D2H; 1 runs them one after another.
         pin_memory: page-lock the host arena; None means "when the params are on a CUDA device".
         master_weights: ``"none"`` steps the params directly; ``"fp32"`` keeps an fp32 master for every bf16/fp16
@@ -97,20 +92,20 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         pin_memory: bool | None = None,
         master_weights: str = "none",
         adapter: Adapter | None = None,
-        gpu_budget_mb: float | None = None,
+        gpu_budget_mb: float | str | None = None,
         overlap: bool = False,
         step_in_backward: bool = False,
+        gpu_headroom_mb: float | None = None,
     ) -> None:
         check_inner(inner, ChunkedOffloadOptimizer)
         # What a copy of the wrapper is built with (__reduce_ex__), checked here.
         self._options = dict(
             chunk_size_mb=chunk_size_mb, offload_fraction=offload_fraction, num_slots=num_slots, overlap=overlap,
             master_weights=master_weights, gpu_budget_mb=gpu_budget_mb, step_in_backward=step_in_backward,
+            gpu_headroom_mb=gpu_headroom_mb,
         )  # fmt: skip
         check_options(**self._options, pin_memory=pin_memory)
-        check_not_wrapped(inner)
-        check_groups(inner)
-        check_params(inner.param_groups)
+        check_wrappable(inner)
         mode = MasterMode(master_weights)
         self._inner = inner
         self._adapter, self._adapter_given = resolve_adapter(inner, adapter), adapter is not None
@@ -132,7 +127,8 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         self.overlap, self.step_in_backward, self.num_slots = overlap, step_in_backward, num_slots
         self.chunk_size_mb = float(chunk_size_mb)  # these options are read-only: they shaped the parts below
         self.offload_fraction = 1.0 if offload_fraction is None else float(offload_fraction)
-        self.gpu_budget_mb = None if gpu_budget_mb is None else float(gpu_budget_mb)
+        budget_mb, self.gpu_headroom_mb = budget_options(gpu_budget_mb, gpu_headroom_mb)
+        self.gpu_budget_mb: float | str | None = budget_mb if self.gpu_headroom_mb is None else "auto"
         self._mode = mode
         self._notices = Notices()
         self._phase = PhaseMachine()
@@ -153,7 +149,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
 
         phase = self._phase
         self._binding = StateBinding(before_home_write, self._adapter.is_offloaded, lambda: phase.stepping)
-        options = PlanOptions(self.chunk_size_mb, num_slots, self.offload_fraction, self.gpu_budget_mb)
+        options = PlanOptions(self.chunk_size_mb, num_slots, self.offload_fraction, budget_mb)  # "auto": offloaded
         self._placement = Placement(
             inner, self._adapter, mode, options,
             device=self.device, pin=self.device.type == "cuda" if pin_memory is None else pin_memory,
@@ -165,6 +161,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         self._runner = StepRunner(
             inner, self._adapter, self._placement, self._context, self._schedule, self._phase, self._notices,
             overlap=overlap, step_in_backward=step_in_backward, post_hooks=self._optimizer_step_post_hooks,
+            budget=None if self.gpu_headroom_mb is None else AutoBudget(self._placement, self.gpu_headroom_mb),
         )  # fmt: skip
         runner_ref = weakref.ref(self._runner)
         # A wrapper dropped with deferred chunks still updates its params: they are enqueued, and land, before the
@@ -231,7 +228,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         layout = self._placement.layout
         budget = self.gpu_budget_mb is not None
-        residency = f"gpu_budget_mb={self.gpu_budget_mb}" if budget else f"offload_fraction={self.offload_fraction}"
+        residency = f"gpu_budget_mb={self.gpu_budget_mb!r}" if budget else f"offload_fraction={self.offload_fraction}"
         return (
             f"ChunkedOffloadOptimizer(inner={type(self._inner).__name__}, chunk_size_mb={self.chunk_size_mb}, "
             f"{residency}, num_slots={self.num_slots}, master_weights={self._mode.value!r}, overlap={self.overlap}, "
@@ -298,23 +295,23 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         """
         return self._runner.stats()
 
-    def attach(self, model: torch.nn.Module) -> AttachHandle:
+    def attach(self, model: torch.nn.Module, *, blocks: bool = False) -> AttachHandle:
         """Make each module's forward wait until its own params have been updated by the last step.
 
         Needed with ``overlap=True``: ``step()`` then returns before its chunks finish, and the next forward
         overlaps them ([Note: Overlapped step]). ``model.state_dict()`` and ``model.load_state_dict()`` wait for the
         step too. Returns a handle whose ``remove()`` takes the hooks off. Any other read of a param outside the
         forward of a module that holds it needs ``opt.wait_step()`` first (docs/tuning.md lists them).
+        ``blocks=True`` gates each element of an ``nn.ModuleList`` (a transformer layer) as a whole: under
+        torch.compile, one graph break per layer instead of one per module with params.
         """
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"attach() takes a torch.nn.Module, got {type(model).__name__}")
         if not (self.overlap or self.step_in_backward):
             self._notices.warn(
                 "attach",
                 "opt.attach(model) does nothing without overlap=True or step_in_backward=True: every step has "
                 "finished when step() returns. Pass overlap=True, or leave the call out",
             )
-        return attach(model, self._runner)
+        return attach(model, self._runner, blocks=blocks)
 
     def wait_step(self) -> None:
         """Order the current CUDA stream after every update of the last step (without blocking the host).

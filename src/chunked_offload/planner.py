@@ -245,6 +245,12 @@ class ChunkPlan:
         return max((c.home_offset + c.transfer_nbytes for c in self.resident_chunks), default=0)
 
     @property
+    def resident_share(self) -> float:
+        """Share of the state's bytes that stay resident on the device."""
+        total = self.resident_nbytes + self.host_nbytes
+        return self.resident_nbytes / total if total else 0.0
+
+    @property
     def largest_bundle_nbytes(self) -> int:
         return max((b.device_nbytes for b in self.bundles), default=0)
 

@@ -11,6 +11,7 @@ import torch
 import torch.optim.optimizer as torch_optimizer
 
 from .adapters import Adapter
+from .budget import AutoBudget
 from .checks import check_grads
 from .context import StepContext, skipped_by_scaler
 from .dtensor import local
@@ -67,6 +68,7 @@ class StepRunner:
         overlap: whether steps overlap the caller's stream.
         step_in_backward: whether the backward pass steps.
         post_hooks: the wrapper's own step post-hooks (a step does not defer while any post-hook is registered).
+        budget: with ``gpu_budget_mb="auto"``, re-plans the resident share before a step ([Note: Auto budget]).
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class StepRunner:
         overlap: bool,
         step_in_backward: bool,
         post_hooks: Mapping[int, Any],
+        budget: AutoBudget | None = None,
     ) -> None:
         self.inner = inner
         self.adapter = adapter
@@ -93,6 +96,8 @@ class StepRunner:
         self.overlap = overlap
         self.step_in_backward = step_in_backward
         self.post_hooks = post_hooks
+        self.budget = budget
+        self.opened = 0  # steps opened so far
         self.last_step: StepRecord | None = None
         self.backward: BackwardStep | None = None  # while IN_BACKWARD
         # [Note: Read order]: param index -> rank of its first read in the forward being recorded, and in the last
@@ -133,6 +138,7 @@ class StepRunner:
         self.phase.to(Phase.STEPPING)
         try:
             step = self.context.open(scaler)
+            self.opened += 1
             try:
                 self.schedule.run(chunks, step, skip_staged=skip_staged, defer=defer)
             finally:
@@ -181,6 +187,8 @@ class StepRunner:
         self.context.prepare()
         if self.phase.resting is Phase.OFFLOADED:
             self.placement.reload(non_blocking=False)
+        if self.budget is not None:
+            self.budget.before_step(self.opened)
 
     def _may_defer(self, skip_staged: bool, scaler: Mapping[str, torch.Tensor]) -> bool:
         """Whether this step may leave its later chunks to the forwards that read them ([Note: Deferred chunks])."""
@@ -232,6 +240,7 @@ class StepRunner:
         except BaseException:
             self.phase.to(Phase.IDLE)
             raise
+        self.opened += 1
 
         def on_close(aborted: bool) -> None:
             step.close()
@@ -337,7 +346,9 @@ class StepRunner:
         if self.last_step is None:
             return None
         placement = self.placement
-        return self.last_step.stats(placement.resident_device_bytes, placement.pinned_host_bytes)
+        return self.last_step.stats(
+            placement.resident_device_bytes, placement.plan.resident_share, placement.pinned_host_bytes
+        )
 
     # ------------------------------------------------------------------ moving the resident state
     def offload(self, non_blocking: bool) -> MoveHandle:

@@ -29,6 +29,7 @@ class StepStats:
             the step overlaps it (``overlap=True``), where it depends on the forward.
         window_bytes: peak device memory the step took beside the resident state (slots and fresh state).
         resident_bytes: device memory holding resident state between steps.
+        resident_share: share of the state's bytes resident on the device (``gpu_budget_mb="auto"`` moves it).
         pinned_host_bytes: page-locked host memory of the arena.
     """
 
@@ -41,6 +42,7 @@ class StepStats:
     exposed_seconds: float | None
     window_bytes: int
     resident_bytes: int
+    resident_share: float
     pinned_host_bytes: int
 
 
@@ -99,7 +101,7 @@ class StepRecord:
             self._end = self._event(self._engine.d2h_stream)
         self._t_end = time.perf_counter()
 
-    def stats(self, resident_bytes: int, pinned_host_bytes: int) -> StepStats:
+    def stats(self, resident_bytes: int, resident_share: float, pinned_host_bytes: int) -> StepStats:
         seconds, exposed = self._t_end - self._t0, self._t_compute - self._t0
         if self._start is not None and self._compute is not None and self._end is not None:
             self._end.synchronize()
@@ -117,5 +119,6 @@ class StepRecord:
             exposed_seconds=None if self.overlapped else exposed,
             window_bytes=self.window,
             resident_bytes=resident_bytes,
+            resident_share=resident_share,
             pinned_host_bytes=pinned_host_bytes,
         )

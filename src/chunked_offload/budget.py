@@ -1,0 +1,134 @@
+"""AutoBudget: ``gpu_budget_mb="auto"``, the device memory the training leaves unused given to resident state."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .placement import Placement
+
+__all__ = ["DEFAULT_HEADROOM_MB", "AutoBudget", "MemoryReading", "budget_options", "read_device_memory"]
+
+logger = logging.getLogger(__name__)
+
+_MIB = 2**20
+
+# [Note: Headroom]
+# What the budget leaves free beside the peak it measured. The peak is the allocator's reserved peak, so its own
+# rounding and fragmentation are inside it already; the headroom is for what comes later and outside it: cuBLAS
+# workspaces of new streams (up to 32 MiB each on Hopper), NCCL communicators created after the measurement (a few
+# hundred MiB each), CUDA-graph pools, and a new segment the allocator cannot carve out of fragmented free memory.
+# 2 GiB is 1.4% of an H200 and 8% of a 24 GiB card.
+DEFAULT_HEADROOM_MB = 2048.0
+
+
+def budget_options(
+    gpu_budget_mb: float | str | None, gpu_headroom_mb: float | None
+) -> tuple[float | None, float | None]:
+    """The wrapper's (checked) options as the budget to plan with first, and the headroom of ``"auto"`` (else None)."""
+    if gpu_budget_mb == "auto":
+        return None, DEFAULT_HEADROOM_MB if gpu_headroom_mb is None else float(gpu_headroom_mb)
+    return None if gpu_budget_mb is None else float(gpu_budget_mb), None
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    """What the device's memory looks like to this process, in bytes.
+
+    Attributes:
+        capacity: what this process's allocator could hold now (the free device memory plus what it reserved).
+        peak: the most it has reserved so far (over whole iterations: the allocator keeps the peak).
+    """
+
+    capacity: int
+    peak: int
+
+
+def read_device_memory(device: torch.device) -> MemoryReading | None:
+    """The device's memory as the caching allocator sees it, within ``set_per_process_memory_fraction``; None on
+    the CPU (nothing to fill)."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    capacity = free + torch.cuda.memory_reserved(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if fraction is not None:
+        capacity = min(capacity, int(fraction(device) * total))
+    return MemoryReading(capacity, torch.cuda.max_memory_reserved(device))
+
+
+class AutoBudget:
+    """Re-plans the resident share so that the wrapper fills the device memory the training leaves unused.
+
+    [Note: Auto budget]
+    The first step runs fully offloaded. From the second step on, before the step opens (between steps only), the
+    budget reads the allocator's reserved peak ``P`` over the iterations so far, and what the process could hold,
+    ``C`` (free device memory plus what the allocator reserved). The training's own peak is ``U = P - R``, ``R``
+    the resident state the wrapper held meanwhile; ``U`` includes the staging window when the peak fell inside a
+    step, and bounds the step's memory when it did not. So resident state may take ``C - headroom - U``, and the
+    budget is that plus the staging window: never below the window. The plan keeps as many leading params resident
+    as it allows ([Note: What stays resident]).
+
+    - It grows once resident state may take at least one slot more than it holds, and only until it has shrunk
+      once: after a shrink, an interval whose training peak grew by less than the state that left the device
+      does not raise ``P``, so ``U`` can no longer be told from above.
+    - It shrinks when ``P`` rose since the last reading (the training grew: the new ``U`` is measured) so that the
+      wrapper's device bytes no longer fit: the state moves back to the host at this step, before the step or the
+      next forward allocates anything.
+    - It cannot protect against a peak that grows within one iteration past what is free (a larger batch, a longer
+      sequence): that is an out-of-memory error in the forward or backward, as without the wrapper.
+
+    Args:
+        placement: owns the layout; its ``options.gpu_budget_mb`` is what this class sets.
+        headroom_mb: MiB left free beside the measured peak ([Note: Headroom]).
+        read: reads the device's memory (tests pass their own).
+    """
+
+    def __init__(
+        self,
+        placement: Placement,
+        headroom_mb: float,
+        read: Callable[[torch.device], MemoryReading | None] = read_device_memory,
+    ) -> None:
+        self.placement = placement
+        self.headroom = int(headroom_mb * _MIB)
+        self.read = read
+        self.checked = -1  # the number of steps opened when the memory was last read
+        self.usage = 0  # the training's own peak, U
+        self.seen_peak = 0
+        self.shrunk = False
+
+    def before_step(self, opened: int) -> None:
+        """Before a step opens, ``opened`` steps after the first: read the memory, and re-plan when the budget
+        moved ([Note: Auto budget]). Once per step (``prefetch()`` comes here too)."""
+        if opened < 1 or opened == self.checked:
+            return
+        self.checked = opened
+        reading = self.read(self.placement.device)
+        if reading is None:
+            return
+        placement = self.placement
+        plan = placement.plan
+        resident = plan.resident_nbytes  # on the device: an offloaded wrapper was reloaded before this
+        if reading.peak != self.seen_peak:  # it rose in the interval with ``resident`` held, or was reset since
+            self.usage = max(self.usage, reading.peak - resident)
+            self.seen_peak = reading.peak
+        room = max(0, reading.capacity - self.headroom - self.usage)  # for resident state
+        if room < resident:
+            self.shrunk = True
+        elif self.shrunk or room - resident < plan.slot_nbytes or not plan.chunks:
+            return
+        budget = room + plan.window_bound_nbytes
+        before = plan.resident_nbytes
+        placement.options.gpu_budget_mb = budget / _MIB
+        placement.sync(force=True)
+        after = placement.plan
+        logger.info(
+            "gpu_budget_mb='auto': peak %.0f MiB, of which training %.0f MiB, capacity %.0f MiB, headroom %.0f MiB: "
+            "budget %.0f MiB; resident state %.0f -> %.0f MiB (%.1f%% of the state), window %.0f MiB",
+            reading.peak / _MIB, self.usage / _MIB, reading.capacity / _MIB, self.headroom / _MIB, budget / _MIB,
+            before / _MIB, after.resident_nbytes / _MIB, 100 * after.resident_share, after.window_bound_nbytes / _MIB,
+        )  # fmt: skip
