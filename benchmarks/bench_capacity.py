@@ -1,6 +1,7 @@
 """Capacity: the largest Llama-shaped model that trains with full AdamW and fp32 masters, resident against ours.
 
-Question: how many more parameters can one GPU train when the AdamW state and the fp32 masters live in host memory?
+Question: how many more parameters can one GPU train when the AdamW state and the fp32 masters live in host memory,
+and the GPU memory the training leaves unused holds what the host cannot?
 
 Workload: HF ``transformers`` LlamaForCausalLM from a config (random init), bf16 params, fused AdamW on fp32
 masters, batch 1 x 2048 tokens, width fixed (4096, intermediate 11008, vocab 32000), depth searched.
@@ -8,7 +9,12 @@ masters, batch 1 x 2048 tokens, width fixed (4096, intermediate 11008, vocab 320
               layout: the bf16 grad of each param is freed as it is converted);
     ours      ChunkedOffloadOptimizer(master_weights="remainder"): the fp32 masters kept losslessly as the bf16 param
               plus a 16-bit remainder (results bitwise identical to fp32 masters), with the moments in pinned host
-              memory; 10.125 bytes per param on the host, params and grads on the GPU.
+              memory; 10.125 bytes per param of state, params and grads on the GPU.
+    te6       Transformer Engine FusedAdam(master_weights=True, store_param_remainders=True, bf16 moments) wrapped:
+              6 bytes per param of state (when transformer_engine is importable).
+Ours run with gpu_budget_mb set from a first forward and backward without optimizer state: what the GPU has
+beside that peak, less --gpu-headroom-gib, holds the state of the first params ([Note: What stays resident]); the
+rest is in the host arena. --no-budget keeps all of it on the host.
 Each trial is a fresh process that builds the model and runs ``--steps`` real steps. The search starts at the depth
 the memory arithmetic predicts, grows by one layer until a trial fails, and steps back down on failure. A trial of
 ours is not started when its host arena would leave less than ``--host-headroom-gib`` of RAM available (pinning the
@@ -17,6 +23,7 @@ last gigabytes invites the OOM killer).
 Commands:
     python3 benchmarks/bench_capacity.py                      # on a GPU: the search; on the CPU: one tiny trial each
     python3 benchmarks/bench_capacity.py --csv benchmarks/results/bench_capacity_h200.csv
+    python3 benchmarks/bench_capacity.py --modes ours,te6 --max-trials 2
 """
 
 from __future__ import annotations
@@ -38,8 +45,10 @@ from chunked_offload.host_arena import available_host_bytes  # noqa: E402
 from common import Recorder, device_name, git_sha  # noqa: E402
 
 RESIDENT_BYTES = 18  # bf16 param 2 + fp32 grad 4 + fp32 master 4 + moments 8
-OURS_HOST_BYTES = 10.125  # moments 8 + remainder 2 + tie bits 0.125
+STATE_BYTES = {"ours": 10.125, "te6": 6.0}  # moments 8 + remainder 2 + tie bits 0.125; bf16 moments 4 + remainder 2
+DEVICE_BYTES = 4  # ours: the bf16 param and its bf16 grad
 GIB = 2**30
+MIB = 2**20
 
 
 def params_of(layers: int, args: argparse.Namespace) -> int:
@@ -77,11 +86,6 @@ def trial(mode: str, layers: int, args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     n = params_of(layers, args)
     out: dict[str, Any] = {"mode": mode, "layers": layers, "params": n}
-    if mode == "ours":
-        need = n * OURS_HOST_BYTES
-        available = available_host_bytes() or 0
-        if need > available - args.host_headroom_gib * GIB:
-            return {**out, "fits": False, "why": f"host: needs {need / GIB:.1f} GiB of {available / GIB:.1f} GiB"}
     config = LlamaConfig(
         vocab_size=args.vocab,
         hidden_size=args.hidden,
@@ -99,8 +103,13 @@ def trial(mode: str, layers: int, args: argparse.Namespace) -> dict[str, Any]:
         if mode == "resident":
             opt: Any = ResidentMasters(model)
         else:
-            inner = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-            opt = ChunkedOffloadOptimizer(inner, chunk_size_mb=1024, master_weights="remainder")
+            budget = spare_after_first_iteration(model, device, args) if args.budget else 0
+            need, available = n * STATE_BYTES[mode] - budget, available_host_bytes() or 0
+            if need > available - args.host_headroom_gib * GIB:
+                why = f"host: needs {need / GIB:.1f} GiB of {available / GIB:.1f} GiB"
+                return {**out, "fits": False, "why": why}
+            # A budget below the staging window (two 1 GiB slots and a workspace) is refused: then all on the host.
+            opt = make_ours(mode, model, device, budget if budget >= 4 * GIB else None)
         times = []
         for _ in range(args.steps):
             t0 = time.perf_counter()
@@ -119,7 +128,8 @@ def trial(mode: str, layers: int, args: argparse.Namespace) -> dict[str, Any]:
         return {**out, "fits": False, "why": str(exc).split(";")[0]}
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     rss = int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS")).split()[1]) * 1024
-    pinned = opt.plan.host_nbytes if isinstance(opt, ChunkedOffloadOptimizer) else 0
+    ours = isinstance(opt, ChunkedOffloadOptimizer)
+    pinned = opt.plan.host_nbytes if ours else 0
     step_s = min(times[1:]) if len(times) > 1 else times[0]
     return {
         **out,
@@ -127,8 +137,45 @@ def trial(mode: str, layers: int, args: argparse.Namespace) -> dict[str, Any]:
         "peak_gpu_gib": peak / GIB,
         "host_rss_gib": rss / GIB,
         "pinned_gib": pinned / GIB,
+        "host_left_gib": (available_host_bytes() or 0) / GIB,
+        "resident_share": opt.plan.resident_share if ours else 1.0,
         "tokens_per_s": args.batch * args.seq / step_s,
     }
+
+
+def spare_after_first_iteration(model: torch.nn.Module, device: torch.device, args: argparse.Namespace) -> int:
+    """Bytes of device memory beside the peak of one forward and backward (no optimizer state yet), less headroom."""
+    if device.type != "cuda":
+        return 0
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=device)
+    model(input_ids=ids, labels=ids).loss.backward()
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(device)
+    free, _ = torch.cuda.mem_get_info(device)
+    spare = free + torch.cuda.memory_reserved(device) - torch.cuda.max_memory_reserved(device)
+    return max(0, int(spare - args.gpu_headroom_gib * GIB))
+
+
+def make_ours(mode: str, model: torch.nn.Module, device: torch.device, budget: int | None) -> ChunkedOffloadOptimizer:
+    budget_mb = None if budget is None else budget / MIB
+    if mode == "te6":
+        from transformer_engine.pytorch.optimizers import FusedAdam
+
+        inner: Any = FusedAdam(
+            model.parameters(), lr=1e-4, master_weights=True, store_param_remainders=True,
+            exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16,
+        )  # fmt: skip
+        return ChunkedOffloadOptimizer(inner, chunk_size_mb=1024, gpu_budget_mb=budget_mb)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    return ChunkedOffloadOptimizer(inner, chunk_size_mb=1024, master_weights="remainder", gpu_budget_mb=budget_mb)
+
+
+def te_importable() -> bool:
+    try:
+        import transformer_engine.pytorch.optimizers  # noqa: F401
+    except Exception:
+        return False
+    return True
 
 
 def run_trial(mode: str, layers: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -170,7 +217,7 @@ def search(mode: str, start: int, args: argparse.Namespace) -> dict[str, Any] | 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--trial", choices=["resident", "ours"], help=argparse.SUPPRESS)
+    parser.add_argument("--trial", choices=["resident", *STATE_BYTES], help=argparse.SUPPRESS)
     parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--intermediate", type=int)
@@ -180,7 +227,10 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--max-trials", type=int, default=4)
-    parser.add_argument("--host-headroom-gib", type=float, default=8.0)
+    parser.add_argument("--host-headroom-gib", type=float, default=8.0, help="host RAM a trial leaves available")
+    parser.add_argument("--gpu-headroom-gib", type=float, default=4.0, help="GPU memory the budget leaves free")
+    parser.add_argument("--no-budget", dest="budget", action="store_false", help="ours: all state on the host")
+    parser.add_argument("--modes", default="resident,ours,te6", help="comma-separated, of resident, ours, te6")
     parser.add_argument("--csv", type=Path)
     args = parser.parse_args()
     gpu = torch.cuda.is_available()
@@ -192,22 +242,33 @@ def main() -> int:
             setattr(args, key, value)
     args.passthrough = [
         f"--{k}={getattr(args, k.replace('-', '_'))}"
-        for k in ("hidden", "intermediate", "heads", "vocab", "seq", "batch", "steps", "host-headroom-gib")
-    ]
+        for k in ("hidden", "intermediate", "heads", "vocab", "seq", "batch", "steps", "host-headroom-gib",
+                  "gpu-headroom-gib")
+    ] + ([] if args.budget else ["--no-budget"])  # fmt: skip
     if args.trial:
         print(json.dumps(trial(args.trial, args.layers, args)))
         return 0
 
+    modes = [m for m in args.modes.split(",") if m]
+    if "te6" in modes and not te_importable():
+        print("te6: skipped, transformer_engine is not importable")
+        modes.remove("te6")
     per_layer = params_of(1, args) - params_of(0, args)
+    starts = {m: 2 for m in modes}
     if gpu:
         gpu_bytes = torch.cuda.get_device_properties(0).total_memory
         host_bytes = (available_host_bytes() or 0) - args.host_headroom_gib * GIB
-        starts = {
-            "resident": int((0.95 * gpu_bytes / RESIDENT_BYTES - params_of(0, args)) // per_layer),
-            "ours": int((host_bytes / OURS_HOST_BYTES - params_of(0, args)) // per_layer),
-        }
+        # Activations of one layer (bf16, batch x seq tokens) measured at width 4096: about 11 bytes per token-width.
+        act = 11 * args.batch * args.seq * args.hidden
+        for m in modes:
+            if m == "resident":
+                room, per_param, per_layer_act = gpu_bytes - 2 * GIB, RESIDENT_BYTES, 0
+            else:  # the state fills the host arena and what the GPU leaves beside params, grads and the window
+                spare = gpu_bytes - (args.gpu_headroom_gib + 4) * GIB if args.budget else 0
+                room, per_param, per_layer_act = host_bytes + spare, STATE_BYTES[m] + DEVICE_BYTES, act
+            fixed = params_of(0, args) * per_param
+            starts[m] = int((room - fixed) // (per_layer * per_param + per_layer_act))
     else:
-        starts = {"resident": 2, "ours": 2}
         args.max_trials = 1
     print(
         f"{device_name(torch.device('cuda' if gpu else 'cpu'))}, torch {torch.__version__}, commit {git_sha()}; host "
@@ -217,24 +278,31 @@ def main() -> int:
     )
     best = {mode: search(mode, start, args) for mode, start in starts.items()}
     rec = Recorder(torch.device("cuda" if gpu else "cpu"))
+    workload = f"llama-w{args.hidden}-b{args.batch}x{args.seq}"
     print(
-        f"\n{'mode':>8} {'layers':>6} {'params':>9} {'peak GPU GiB':>12} {'host RSS GiB':>12} {'pinned GiB':>10} "
-        f"{'tokens/s':>9}"
+        f"\n{'mode':>8} {'layers':>6} {'params':>9} {'B/param':>7} {'peak GPU GiB':>12} {'host RSS GiB':>12} "
+        f"{'pinned GiB':>10} {'host left GiB':>13} {'resident':>8} {'tokens/s':>9}"
     )
+    metrics = ("params", "layers", "peak_gpu_gib", "host_rss_gib", "pinned_gib", "host_left_gib", "resident_share",
+               "tokens_per_s")  # fmt: skip
     for mode, result in best.items():
         if result is None:
             print(f"{mode:>8}  nothing fit")
             continue
+        per_param = RESIDENT_BYTES if mode == "resident" else STATE_BYTES[mode]
         print(
-            f"{mode:>8} {result['layers']:>6} {result['params'] / 1e9:>8.2f}B {result['peak_gpu_gib']:>12.1f} "
-            f"{result['host_rss_gib']:>12.1f} {result['pinned_gib']:>10.1f} {result['tokens_per_s']:>9.0f}"
+            f"{mode:>8} {result['layers']:>6} {result['params'] / 1e9:>8.2f}B {per_param:>7g} "
+            f"{result['peak_gpu_gib']:>12.1f} {result['host_rss_gib']:>12.1f} {result['pinned_gib']:>10.1f} "
+            f"{result['host_left_gib']:>13.1f} {result['resident_share']:>8.0%} {result['tokens_per_s']:>9.0f}"
         )
-        for metric in ("params", "layers", "peak_gpu_gib", "host_rss_gib", "pinned_gib", "tokens_per_s"):
-            rec.add(f"llama-w{args.hidden}-b{args.batch}x{args.seq}", mode, metric, float(result[metric]))
-    if best["resident"] and best["ours"]:
-        ratio = best["ours"]["params"] / best["resident"]["params"]
-        print(f"ours trains {ratio:.2f}x the params of resident")
-        rec.add(f"llama-w{args.hidden}-b{args.batch}x{args.seq}", "ours", "x_resident_params", ratio)
+        for metric in metrics:
+            rec.add(workload, mode, metric, float(result[metric]))
+    resident = best.get("resident")
+    for mode, result in best.items():
+        if mode != "resident" and result and resident:
+            ratio = result["params"] / resident["params"]
+            print(f"{mode} trains {ratio:.2f}x the params of resident")
+            rec.add(workload, mode, "x_resident_params", ratio)
     if args.csv:
         rec.write(args.csv)
         print(f"wrote {args.csv}")

@@ -13,12 +13,26 @@ Variants, each timed on the same iterations in one run:
                the backward. This mode cannot clip (it steps before clipping could run), so its loop does not clip,
                and it is checked against a resident run without clipping; its exposed time is against the resident
                iteration with clipping (which costs the resident loop a few ms).
-Exposed optimizer time = our iteration - the resident iteration, reported as a multiple of the step's transfer
-floor (the bytes each way over the measured duplex bandwidth).
+    backward-auto, overlap-auto
+               the same with gpu_budget_mb="auto": from the second step on, the state of the first params stays
+               resident in the device memory the training leaves unused. --auto-spare F caps the device memory of
+               these variants (torch.cuda.set_per_process_memory_fraction) so that what is left beside the fully
+               offloaded variant's peak holds the share F of the state (a model whose spare memory holds part of it).
+Peers (not bitwise; they are left out of the exact check and need their package, else they are skipped with why):
+    deepspeed  DeepSpeed ZeRO stage 2 with offload_optimizer {device: cpu, pin_memory: true} (DeepSpeedCPUAdam, AdamW
+               on the host with fp32 masters there), bf16, gradient clipping 1.0 in its config; on a copy of the model.
+               Wheels: scripts/peers-prepare.sh. Its CPU Adam op is compiled at the first deepspeed.initialize.
+    torchao    torchao.optim.CPUOffloadOptimizer(fused AdamW): the step on the host CPU, on the bf16 params as they are
+               (no fp32 masters: it keeps each param's dtype on the host), no clipping (its grad hooks copy the grads
+               to the host during the backward, before clipping could run).
+Exposed optimizer time = our iteration - the resident iteration ("added"), reported as a multiple of the step's
+transfer floor (the bytes each way over the measured duplex bandwidth), and "kept" = resident iterations/s over the
+variant's (the figure ZeRO-Offload and its successors publish).
 
 --compile MODE runs every variant's forward and backward through torch.compile(model, mode=MODE); our variants
 attach the model before compiling, so each module with params breaks the graph once ([Note: Opaque to dynamo]), and
 "sync" attaches it too, so that the compiled loops are the same: under --compile the bitwise check is against sync.
+--blocks attaches with blocks=True: one hook, and one graph break, per decoder layer.
 --fsdp2 shards the model with FSDP2 (each decoder layer and the root, one process, NCCL) before any optimizer.
 
 Exactness: two unwrapped runs of the model differ unless the kernels are deterministic (attention's and the
@@ -30,12 +44,15 @@ Commands:
     python3 benchmarks/bench_train.py --batches 8,16 --csv benchmarks/results/bench_train_h200.csv
     python3 benchmarks/bench_train.py --batches 16 --compile default
     python3 benchmarks/bench_train.py --batches 16 --fsdp2 --variants resident,sync,overlap
+    python3 benchmarks/bench_train.py --batches 8,16,32 --peers                    # + deepspeed, torchao
+    python3 benchmarks/bench_train.py --batches 8 --variants resident,backward,backward-auto --auto-spare 0.5
 Exits nonzero if any variant is not bitwise equal to the resident run.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import os
 import statistics
@@ -48,10 +65,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chunked_offload import ChunkedOffloadOptimizer  # noqa: E402
+from chunked_offload.budget import DEFAULT_HEADROOM_MB  # noqa: E402
 from common import Recorder, Stats, device_name, git_sha, measure_link, progress, synchronize  # noqa: E402
 
 VARIANTS = ("resident", "sync", "overlap", "backward")
-NO_CLIP = {"backward", "resident-noclip", "sync-noclip"}
+AUTO = ("overlap-auto", "backward-auto")
+PEERS = ("torchao", "deepspeed")  # run after ours: DeepSpeed leaves its hooks on the model it wraps (a copy)
+NO_CLIP = {"backward", "backward-auto", "resident-noclip", "sync-noclip", "torchao"}
 
 
 class ResidentMasters:
@@ -81,6 +101,81 @@ class ResidentMasters:
 
     def prefetch(self) -> None:
         pass
+
+
+class TorchaoOffload:
+    """torchao's CPUOffloadOptimizer: fused AdamW on the host CPU over host copies of the (bf16) params."""
+
+    def __init__(self, model: torch.nn.Module, lr: float) -> None:
+        from torchao.optim import CPUOffloadOptimizer
+
+        self.inner = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=lr, weight_decay=0.01, fused=True)
+
+    def step(self) -> None:
+        self.inner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none)
+
+    def wait_step(self) -> None:
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+
+class DeepSpeedZeroOffload:
+    """DeepSpeed ZeRO stage 2 with the optimizer on the host (DeepSpeedCPUAdam, fp32 masters there), bf16, one rank."""
+
+    def __init__(self, model: torch.nn.Module, lr: float, batch: int) -> None:
+        import deepspeed
+
+        for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
+            os.environ.setdefault(key, value)
+        os.environ.setdefault("MASTER_PORT", "29518")
+        config = {
+            "train_micro_batch_size_per_gpu": batch,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": 1.0,
+            "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01, "betas": [0.9, 0.999]}},
+            "zero_optimization": {
+                "stage": 2,
+                "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                "contiguous_gradients": True,
+                "overlap_comm": True,
+            },
+            "steps_per_print": 2**31,
+        }
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=params, config=config)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def step(self) -> None:
+        self.engine.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass  # the engine clears its gradient buffers in step()
+
+    def wait_step(self) -> None:
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+
+def peer_missing(variant: str) -> str | None:
+    """Why a peer variant cannot run here, or None."""
+    module = {"torchao": "torchao.optim", "deepspeed": "deepspeed"}[variant]
+    if not torch.cuda.is_available():
+        return "needs a GPU"
+    try:
+        __import__(module)
+    except Exception as exc:  # ImportError, or an incompatible build
+        return f"{module} is not importable ({type(exc).__name__}: {str(exc)[:80]}); see scripts/peers-prepare.sh"
+    return None
 
 
 def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
@@ -114,21 +209,28 @@ def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Modu
     return model
 
 
-def make_optimizer(variant: str, model: torch.nn.Module, args: argparse.Namespace) -> Any:
+def make_optimizer(variant: str, model: torch.nn.Module, args: argparse.Namespace, batch: int = 1) -> Any:
     if variant.startswith("resident"):
         return ResidentMasters(model, args.lr)
+    if variant == "torchao":
+        return TorchaoOffload(model, args.lr)
+    if variant == "deepspeed":
+        return DeepSpeedZeroOffload(model, args.lr, batch)
     fused = next(model.parameters()).device.type == "cuda"
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, fused=fused)
+    mode = variant.removesuffix("-auto")
     opt = ChunkedOffloadOptimizer(
         inner,
         chunk_size_mb=args.chunk_mb,
         num_slots=args.num_slots,
         master_weights=args.master_weights,
-        overlap=variant == "overlap",
-        step_in_backward=variant == "backward",
+        overlap=mode == "overlap",
+        step_in_backward=mode == "backward",
+        gpu_budget_mb="auto" if variant in AUTO else None,
     )
-    if variant in ("overlap", "backward") or (args.compile and variant.startswith("sync")):
-        opt.attach(model)  # under --compile sync attaches too: the same graph breaks as the loops it is checked against
+    if mode in ("overlap", "backward") or (args.compile and variant.startswith("sync")):
+        # Under --compile sync attaches too: the same graph breaks as the loops it is checked against.
+        opt.attach(model, blocks=args.blocks)
     return opt
 
 
@@ -148,7 +250,10 @@ def batches_of(seed: int, count: int, batch: int, args: argparse.Namespace, devi
 def iterate(model: torch.nn.Module, opt: Any, ids: torch.Tensor, clip: bool = True, forward: Any = None) -> float:
     """One training iteration; returns the host seconds ``opt.step()`` took to return."""
     loss = (model if forward is None else forward)(input_ids=ids, labels=ids).loss
-    loss.backward()
+    if isinstance(opt, DeepSpeedZeroOffload):
+        opt.backward(loss)  # the engine reduces the grads into its partitions
+    else:
+        loss.backward()
     if clip:
         opt.prefetch()  # ours: the first chunk's H2D overlaps the clipping
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -166,8 +271,12 @@ def run_variant(
     seconds of ``step()``, and the last step's own seconds (ours: to its last byte written back; else 0)."""
     device = next(model.parameters()).device
     model.load_state_dict(initial)
-    opt = make_optimizer(variant, model, args)
-    forward = compiled(model, args)
+    if variant == "deepspeed":
+        model = copy.deepcopy(model)  # the engine keeps its hooks on the model it wraps
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # "auto" reads this variant's peak, not the last one's
+    opt = make_optimizer(variant, model, args, batch)
+    forward = opt.engine if isinstance(opt, DeepSpeedZeroOffload) else compiled(model, args)
     data = batches_of(batch, args.warmup + args.iters, batch, args, device)
     clip = variant not in NO_CLIP
     for ids in data[: args.warmup]:
@@ -188,6 +297,22 @@ def run_variant(
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     step_s = opt.stats.seconds if isinstance(opt, ChunkedOffloadOptimizer) and opt.stats is not None else 0.0
     return seconds, peak, opt, statistics.median(hosts), step_s
+
+
+def auto_cap(
+    variant: str, peaks: dict[str, int], state_nbytes: int | None, device: torch.device, args: argparse.Namespace
+) -> int | None:
+    """With --auto-spare, cap an -auto variant's device memory so that the spare holds that share of the state."""
+    if variant not in AUTO or args.auto_spare is None or device.type != "cuda":
+        return None
+    offloaded = peaks.get(variant.removesuffix("-auto"))
+    if offloaded is None or state_nbytes is None:
+        raise SystemExit(f"--auto-spare: run {variant.removesuffix('-auto')} before {variant} in --variants")
+    headroom = int(DEFAULT_HEADROOM_MB * 2**20)
+    cap = offloaded + int(args.auto_spare * state_nbytes) + headroom
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+    return cap
 
 
 def _mark(device: torch.device) -> Any:
@@ -260,13 +385,27 @@ def main() -> int:
     parser.add_argument("--master-weights", default="fp32", choices=["fp32", "remainder"])
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--csv", type=Path)
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join((*VARIANTS, *AUTO, *PEERS))}"
+    )
+    parser.add_argument("--peers", action="store_true", help="add the peers (deepspeed, torchao) to --variants")
+    parser.add_argument(
+        "--auto-spare", type=float, metavar="F",
+        help="cap the -auto variants' device memory to the offloaded variant's peak + F x the state + the headroom",
+    )  # fmt: skip
     parser.add_argument("--compile", metavar="MODE", help="torch.compile mode: default, max-autotune-no-cudagraphs")
     parser.add_argument("--fsdp2", action="store_true", help="shard the model with FSDP2 (world size 1)")
+    parser.add_argument("--blocks", action="store_true", help="attach(model, blocks=True): a hook per decoder layer")
     args = parser.parse_args()
-    args.variants = tuple(v for v in args.variants.split(",") if v)
+    args.variants = tuple(v for v in args.variants.split(",") if v) + (PEERS if args.peers else ())
+    unknown = [v for v in args.variants if v not in (*VARIANTS, *AUTO, *PEERS)]
+    if unknown:
+        parser.error(f"unknown variants {unknown}: choose from {', '.join((*VARIANTS, *AUTO, *PEERS))}")
     if "resident" not in args.variants:
         parser.error("--variants must include resident: every other variant's time is against it")
+    if (args.compile or args.fsdp2) and any(v in PEERS for v in args.variants):
+        parser.error("the peers run eager and unsharded: leave --compile and --fsdp2 out with deepspeed or torchao")
+    args.variants = tuple(sorted(dict.fromkeys(args.variants), key=lambda v: v in PEERS))  # peers last
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device.type == "cuda"
     # The issue's calibration model on a GPU (0.95 B params); a tiny one on the CPU.
@@ -290,6 +429,13 @@ def main() -> int:
     )
     print(f"link: H2D {link.h2d / 1e9:.1f} GB/s, D2H {link.d2h / 1e9:.1f} GB/s, duplex {link.duplex / 1e9:.1f} GB/s")
 
+    variants = list(args.variants)
+    for peer in [v for v in variants if v in PEERS]:
+        why = peer_missing(peer)
+        if why is not None:
+            print(f"{peer}: skipped, {why}")
+            variants.remove(peer)
+    args.variants = tuple(v for v in variants if v not in PEERS)  # the exact check: ours, against resident
     exact = {v: True for v in args.variants} if args.skip_exact else exact_check(model, initial, args)
     print(
         f"bitwise equal to the {'compiled sync' if args.compile else 'resident'} run (deterministic kernels, batch "
@@ -300,50 +446,59 @@ def main() -> int:
     rec = Recorder(device)
     workload = f"llama-{n_params / 1e9:.2f}B-seq{args.seq}"
     workload += (f"-compile-{args.compile}" if args.compile else "") + ("-fsdp2" if args.fsdp2 else "")
-    floor = None
+    workload += "-blocks" if args.blocks else ""
+    floor = state_nbytes = None
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         times: dict[str, Stats] = {}
         peaks: dict[str, int] = {}
-        hosts: dict[str, tuple[float, float]] = {}
-        for variant in args.variants:
+        hosts: dict[str, tuple[float, float, float | None]] = {}
+        for variant in variants:
+            cap = auto_cap(variant, peaks, state_nbytes, device, args)
             try:
                 seconds, peak, opt, host_s, step_s = run_variant(variant, model, initial, batch, args)
             except torch.OutOfMemoryError:
-                print(f"batch {batch}: {variant} does not fit")
-                break
-            if floor is None and isinstance(opt, ChunkedOffloadOptimizer):
-                floor = opt.plan.host_nbytes / link.duplex
-            times[variant], peaks[variant], hosts[variant] = Stats.of(seconds), peak, (host_s, step_s)
+                print(
+                    f"batch {batch}: {variant} does not fit" + (f" in its cap of {cap / 2**30:.1f} GiB" if cap else "")
+                )
+                opt = None
+            finally:
+                if cap:
+                    torch.cuda.set_per_process_memory_fraction(1.0, device)
+            if opt is not None:
+                share = None
+                if isinstance(opt, ChunkedOffloadOptimizer):
+                    share = opt.stats.resident_share if opt.stats is not None else None
+                    if floor is None:
+                        state_nbytes = opt.plan.host_nbytes
+                        floor = state_nbytes / link.duplex
+                times[variant], peaks[variant], hosts[variant] = Stats.of(seconds), peak, (host_s, step_s, share)
             del opt
             gc.collect()
             if gpu:
                 torch.cuda.empty_cache()
-        if len(times) < len(args.variants) or floor is None:
+            if variant == "resident" and variant not in times:
+                break  # nothing to compare with
+        if "resident" not in times or floor is None:
             continue
         tokens = batch * args.seq
         base = times["resident"].median
-        for variant in args.variants:
-            exposed = times[variant].median - base
+        for variant in (v for v in variants if v in times):
+            added = times[variant].median - base
+            kept = base / times[variant].median
             rec.add(workload, variant, f"iter_s@{tokens}", times[variant])
             rec.add(workload, variant, f"peak_gib@{tokens}", peaks[variant] / 2**30)
-            host_s, step_s = hosts[variant]
+            host_s, step_s, share = hosts[variant]
             rec.add(workload, variant, f"step_host_s@{tokens}", host_s)
             if variant != "resident":
-                rec.add(workload, variant, f"exposed_x_floor@{tokens}", exposed / floor)
-                rec.add(workload, variant, f"step_s@{tokens}", step_s)
-            rows.append(
-                (
-                    tokens,
-                    variant,
-                    times[variant].median,
-                    exposed,
-                    exposed / floor,
-                    peaks[variant] / 2**30,
-                    host_s,
-                    step_s,
-                )
-            )
+                rec.add(workload, variant, f"exposed_x_floor@{tokens}", added / floor)
+                rec.add(workload, variant, f"kept@{tokens}", kept)
+                if variant not in PEERS:
+                    rec.add(workload, variant, f"step_s@{tokens}", step_s)
+                if share is not None:
+                    rec.add(workload, variant, f"resident_share@{tokens}", share)
+            rows.append((tokens, variant, times[variant].median, added, added / floor, kept, peaks[variant] / 2**30,
+                         host_s, step_s, share))  # fmt: skip
     if floor is not None:
         rec.add(workload, "floor", "step_floor_s", floor)
     for variant, ok in exact.items():
@@ -351,16 +506,25 @@ def main() -> int:
 
     print(f"\nstep transfer floor: {floor or 0:.4f} s (the host arena's bytes each way over the duplex link)")
     print(
-        f"{'tokens':>7} {'variant':>9} {'iter s':>8} {'exposed s':>10} {'x floor':>8} {'peak GiB':>9} "
-        f"{'step() host s':>14} {'step s':>8}"
+        f"{'tokens':>7} {'variant':>13} {'iter s':>8} {'added s':>8} {'x floor':>8} {'kept':>6} {'peak GiB':>9} "
+        f"{'step() host s':>14} {'step s':>8} {'resident':>8}"
     )
-    for tokens, variant, it, exposed, ratio, peak, host_s, step_s in rows:
-        shown = "-" if variant == "resident" else f"{exposed:.4f}"
-        ratio_s = "-" if variant == "resident" else f"{ratio:.3f}"
-        step_shown = "-" if variant == "resident" else f"{step_s:.4f}"
+    for tokens, variant, it, added, ratio, kept, peak, host_s, step_s, share in rows:
+        ours = variant not in ("resident", *PEERS)
         print(
-            f"{tokens:>7} {variant:>9} {it:>8.4f} {shown:>10} {ratio_s:>8} {peak:>9.2f} {host_s:>14.4f} {step_shown:>8}"
+            f"{tokens:>7} {variant:>13} {it:>8.4f} {'-' if variant == 'resident' else f'{added:.4f}':>8} "
+            f"{'-' if variant == 'resident' else f'{ratio:.3f}':>8} {f'{100 * kept:.0f}%':>6} {peak:>9.2f} "
+            f"{host_s:>14.4f} {f'{step_s:.4f}' if ours else '-':>8} {'-' if share is None else f'{share:.0%}':>8}"
         )
+    added_by: dict[int, dict[str, float]] = {}
+    for row in rows:
+        added_by.setdefault(row[0], {})[row[1]] = row[3]
+    for tokens, of in sorted(added_by.items()):
+        if "deepspeed" in of:
+            ratios = [
+                f"{v} {of['deepspeed'] / of[v]:.1f}x" for v in of if v not in ("resident", "deepspeed") and of[v] > 0
+            ]
+            print(f"{tokens} tokens: the time ZeRO-Offload adds over the time added by " + ", ".join(ratios))
     if args.csv:
         rec.write(args.csv)
         print(f"wrote {args.csv}")
