@@ -462,6 +462,11 @@ def main() -> int:
                     f"batch {batch}: {variant} does not fit" + (f" in its cap of {cap / 2**30:.1f} GiB" if cap else "")
                 )
                 opt = None
+            except Exception as exc:  # a peer's own failure is reported and the run goes on; ours propagate
+                if variant not in PEERS:
+                    raise
+                print(f"batch {batch}: {variant} failed: {type(exc).__name__}: {str(exc)[:300]}")
+                opt = None
             finally:
                 if cap:
                     torch.cuda.set_per_process_memory_fraction(1.0, device)
