@@ -285,8 +285,9 @@ def test_the_auto_budget_keeps_what_fits_resident_and_stays_exact(monkeypatch: p
             if step == 1 and share < 1.0:  # leave room for half the state beside the peak of a whole iteration
                 reading = read_device_memory(torch.device("cuda"))
                 assert reading is not None and opt._runner.budget is not None
-                state = opt.plan.host_nbytes
-                opt._runner.budget.headroom = reading.capacity - reading.peak - state // 2
+                state, resident = opt.plan.host_nbytes + opt.plan.resident_nbytes, opt.plan.resident_nbytes
+                # backward: the step of this iteration already made it all resident; the next one shrinks it
+                opt._runner.budget.headroom = reading.capacity - (reading.peak - resident) - state // 2
             opt.prefetch()
             opt.step()
             opt.zero_grad(set_to_none=True)
