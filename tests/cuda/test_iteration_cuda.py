@@ -287,7 +287,8 @@ def test_the_auto_budget_keeps_what_fits_resident_and_stays_exact(monkeypatch: p
                 assert reading is not None and opt._runner.budget is not None
                 state, resident = opt.plan.host_nbytes + opt.plan.resident_nbytes, opt.plan.resident_nbytes
                 # backward: the step of this iteration already made it all resident; the next one shrinks it
-                opt._runner.budget.headroom = reading.capacity - (reading.peak - resident) - state // 2
+                usage = max(opt._runner.budget.usage, reading.peak - resident)  # the training's own peak
+                opt._runner.budget.headroom = reading.capacity - usage - state // 2
             opt.prefetch()
             opt.step()
             opt.zero_grad(set_to_none=True)
