@@ -52,12 +52,13 @@ def read_device_memory(device: torch.device) -> MemoryReading | None:
     the CPU (nothing to fill)."""
     if device.type != "cuda":
         return None
-    free, total = torch.cuda.mem_get_info(device)
-    capacity = free + torch.cuda.memory_reserved(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(index)
+    capacity = free + torch.cuda.memory_reserved(index)
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     if fraction is not None:
-        capacity = min(capacity, int(fraction(device) * total))
-    return MemoryReading(capacity, torch.cuda.max_memory_reserved(device))
+        capacity = min(capacity, int(fraction(index) * total))
+    return MemoryReading(capacity, torch.cuda.max_memory_reserved(index))
 
 
 class AutoBudget:
