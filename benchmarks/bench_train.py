@@ -311,7 +311,7 @@ def auto_cap(
     headroom = int(DEFAULT_HEADROOM_MB * 2**20)
     cap = offloaded + int(args.auto_spare * state_nbytes) + headroom
     total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), torch.cuda.current_device())
     return cap
 
 
@@ -469,7 +469,7 @@ def main() -> int:
                 opt = None
             finally:
                 if cap:
-                    torch.cuda.set_per_process_memory_fraction(1.0, device)
+                    torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
             if opt is not None:
                 share = None
                 if isinstance(opt, ChunkedOffloadOptimizer):
