@@ -71,6 +71,7 @@ from common import Recorder, Stats, device_name, git_sha, measure_link, progress
 VARIANTS = ("resident", "sync", "overlap", "backward")
 AUTO = ("overlap-auto", "backward-auto")
 PEERS = ("torchao", "deepspeed")  # run after ours: DeepSpeed leaves its hooks on the model it wraps (a copy)
+RESERVED: dict[str, int] = {}  # each variant's reserved peak in the last batch (--auto-spare caps from it)
 NO_CLIP = {"backward", "backward-auto", "resident-noclip", "sync-noclip", "torchao"}
 
 
@@ -295,6 +296,7 @@ def run_variant(
     synchronize(device)
     seconds = [_elapsed(a, b) for a, b in zip(marks, marks[1:], strict=False)]
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    RESERVED[variant] = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0  # what "auto" reads
     step_s = opt.stats.seconds if isinstance(opt, ChunkedOffloadOptimizer) and opt.stats is not None else 0.0
     return seconds, peak, opt, statistics.median(hosts), step_s
 
@@ -305,7 +307,7 @@ def auto_cap(
     """With --auto-spare, cap an -auto variant's device memory so that the spare holds that share of the state."""
     if variant not in AUTO or args.auto_spare is None or device.type != "cuda":
         return None
-    offloaded = peaks.get(variant.removesuffix("-auto"))
+    offloaded = RESERVED.get(variant.removesuffix("-auto")) if variant.removesuffix("-auto") in peaks else None
     if offloaded is None or state_nbytes is None:
         raise SystemExit(f"--auto-spare: run {variant.removesuffix('-auto')} before {variant} in --variants")
     headroom = int(DEFAULT_HEADROOM_MB * 2**20)
@@ -391,7 +393,7 @@ def main() -> int:
     parser.add_argument("--peers", action="store_true", help="add the peers (deepspeed, torchao) to --variants")
     parser.add_argument(
         "--auto-spare", type=float, metavar="F",
-        help="cap the -auto variants' device memory to the offloaded variant's peak + F x the state + the headroom",
+        help="cap the -auto variants' device memory: the offloaded variant's reserved peak + F x the state + headroom",
     )  # fmt: skip
     parser.add_argument("--compile", metavar="MODE", help="torch.compile mode: default, max-autotune-no-cudagraphs")
     parser.add_argument("--fsdp2", action="store_true", help="shard the model with FSDP2 (world size 1)")
