@@ -231,6 +231,7 @@ def main() -> int:
     parser.add_argument("--gpu-headroom-gib", type=float, default=4.0, help="GPU memory the budget leaves free")
     parser.add_argument("--no-budget", dest="budget", action="store_false", help="ours: all state on the host")
     parser.add_argument("--modes", default="resident,ours,te6", help="comma-separated, of resident, ours, te6")
+    parser.add_argument("--starts", default="", help="depths to start the search at, e.g. ours=84,te6=115")
     parser.add_argument("--csv", type=Path)
     args = parser.parse_args()
     gpu = torch.cuda.is_available()
@@ -270,6 +271,9 @@ def main() -> int:
             starts[m] = int((room - fixed) // (per_layer * per_param + per_layer_act))
     else:
         args.max_trials = 1
+    for item in filter(None, args.starts.split(",")):
+        mode, layers = item.split("=")
+        starts[mode] = int(layers)
     print(
         f"{device_name(torch.device('cuda' if gpu else 'cpu'))}, torch {torch.__version__}, commit {git_sha()}; host "
         f"RAM available {(available_host_bytes() or 0) / GIB:.1f} GiB; width {args.hidden}, batch {args.batch} x "
