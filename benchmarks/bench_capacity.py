@@ -83,6 +83,8 @@ def trial(mode: str, layers: int, args: argparse.Namespace) -> dict[str, Any]:
     """Build the model with ``layers`` layers and train ``args.steps`` steps; what fit and what it took."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    if mode == "te6":  # before CUDA and cuDNN are initialised: a later import loads a mismatched libcudnn
+        import transformer_engine.pytorch.optimizers  # noqa: F401
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     n = params_of(layers, args)
     out: dict[str, Any] = {"mode": mode, "layers": layers, "params": n}
