@@ -76,6 +76,8 @@ class AutoBudget:
     - It grows once resident state may take at least one slot more than it holds, and only until it has shrunk
       once: after a shrink, an interval whose training peak grew by less than the state that left the device
       does not raise ``P``, so ``U`` can no longer be told from above.
+    - A re-plan's own transient allocations raise ``P`` too: the reading after it is the new baseline, so only a
+      peak above it counts as the training's.
     - It shrinks when ``P`` rose since the last reading (the training grew: the new ``U`` is measured) so that the
       wrapper's device bytes no longer fit: the state moves back to the host at this step, before the step or the
       next forward allocates anything.
@@ -127,6 +129,9 @@ class AutoBudget:
         placement.options.gpu_budget_mb = budget / _MIB
         placement.sync(force=True)
         after = placement.plan
+        moved = self.read(placement.device)
+        if moved is not None:  # what the re-plan itself allocated on the way is not the training's
+            self.seen_peak = moved.peak
         logger.info(
             "gpu_budget_mb='auto': peak %.0f MiB, of which training %.0f MiB, capacity %.0f MiB, headroom %.0f MiB: "
             "budget %.0f MiB; resident state %.0f -> %.0f MiB (%.1f%% of the state), window %.0f MiB",
