@@ -11,6 +11,7 @@ their name after "bench_", e.g. step_peers, or a prefix such as step). Draws:
     bench_step_peers.png   the time each offloader adds to a resident AdamW iteration, side by side;
     bench_step_floor.png   every variant as a multiple of the duplex floor;
     bench_train.png        exposed optimizer time per iteration against tokens per iteration, with the floor;
+    bench_train_kept.png   the share of resident iterations/s each variant keeps, peers (DeepSpeed, torchao) beside;
     bench_capacity.png     the largest model each variant trains, and the GPU and host memory it takes.
 """
 
@@ -115,9 +116,14 @@ def main() -> None:
             ax.set_ylabel("step time / duplex floor")
         save(fig, "bench_step_floor.png")
 
+    def plain(workload: str) -> bool:  # bench_train's eager, unsharded runs
+        return not workload.endswith(("-fsdp2", "-blocks")) and "-compile-" not in workload
+
     exposed: dict[str, list[tuple[int, float]]] = defaultdict(list)
     floor_s = None
-    for (_, v, m), x in values.items():
+    for (w, v, m), x in values.items():
+        if not plain(w):
+            continue
         if m.startswith("exposed_x_floor@"):
             exposed[v].append((int(m.split("@")[1]), x))
         elif m == "step_floor_s":
@@ -126,7 +132,8 @@ def main() -> None:
         fig, ax = plt.subplots(figsize=(6, 4))
         for variant, points in sorted(exposed.items()):
             xs, ys = zip(*sorted(points), strict=True)
-            ax.plot(xs, [y * floor_s for y in ys], "o-", label=f"{variant} (ours)")
+            peer = variant in ("deepspeed", "torchao")
+            ax.plot(xs, [y * floor_s for y in ys], "o--" if peer else "o-", label=variant + ("" if peer else " (ours)"))
             tokens = xs
         ax.axhline(floor_s, color="k", linestyle="--", label="step transfer floor")
         ax.axhline(0.5 * floor_s, color="r", linewidth=0.8, linestyle=":", label="0.5 x floor (target, overlap)")
@@ -137,6 +144,27 @@ def main() -> None:
         ax.set_ylabel("exposed optimizer seconds per iteration")
         ax.legend()
         save(fig, "bench_train.png")
+
+    kept: dict[str, dict[int, float]] = defaultdict(dict)
+    for (w, v, m), x in values.items():
+        if m.startswith("kept@") and plain(w):
+            kept[v][int(m.split("@")[1])] = x
+    if kept:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        sizes = sorted({t for row in kept.values() for t in row})
+        width = 0.8 / len(kept)
+        for k, (variant, row) in enumerate(kept.items()):
+            xs = [i + (k - (len(kept) - 1) / 2) * width for i, t in enumerate(sizes) if t in row]
+            peer = variant in ("deepspeed", "torchao")
+            bars = ax.bar(xs, [100 * row[t] for t in sizes if t in row], width, label=variant,
+                          hatch="//" if peer else None, alpha=0.6 if peer else 1.0)  # fmt: skip
+            ax.bar_label(bars, fmt="%.1f", fontsize=6)
+        ax.axhline(100, color="k", linewidth=0.8)
+        ax.set_xticks(range(len(sizes)), [f"{t} tokens" for t in sizes])
+        ax.set_ylabel("% of resident iterations/s kept")
+        ax.set_ylim(0, 110)
+        ax.legend(fontsize=7, ncol=3, loc="lower right")
+        save(fig, "bench_train_kept.png")
 
     capacity = {v: {m: x for (_, vv, m), x in values.items() if vv == v} for (_, v, m) in values if m == "peak_gpu_gib"}
     if capacity:
