@@ -192,3 +192,73 @@ def test_every_iteration_mode_replans_between_steps_and_stays_bitwise(mode: str)
     opt.synchronize()
     for a, b in zip(ref_model.parameters(), model.parameters(), strict=True):
         assert_equal(a, b)
+
+
+def _failing_replans(opt: ChunkedOffloadOptimizer, monkeypatch: pytest.MonkeyPatch, error: BaseException) -> list:
+    """Every forced re-plan raises ``error`` (before anything is installed) while the returned list is non-empty."""
+    placement = opt._placement
+    original = placement.sync
+    armed = [True]
+
+    def sync(*, force: bool = False, strict: bool = True) -> None:
+        if force and armed:
+            raise error
+        original(force=force, strict=strict)
+
+    monkeypatch.setattr(placement, "sync", sync)
+    return armed
+
+
+def test_a_growth_without_device_memory_stays_put_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    ref, ref_params, opt, params = _auto(gpu_headroom_mb=0)
+    state, window = _state_bytes(opt), opt.plan.window_bound_nbytes
+    FakeDevice(opt, capacity=_MIB + window + state, usage=_MIB)
+    _failing_replans(opt, monkeypatch, torch.OutOfMemoryError("CUDA out of memory"))
+    with caplog.at_level(logging.WARNING, logger="chunked_offload.budget"):
+        for k in range(4):
+            _step_both(ref, ref_params, opt, params, k)
+    assert opt.plan.resident_nbytes == 0 and opt._placement.options.gpu_budget_mb is None
+    assert [r.levelname for r in caplog.records] == ["WARNING"]  # tried once, then no more
+    _assert_same(ref, ref_params, opt, params)
+
+
+def test_a_replan_that_fails_otherwise_propagates_and_the_next_step_tries_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ref, ref_params, opt, params = _auto(gpu_headroom_mb=0)
+    state, window = _state_bytes(opt), opt.plan.window_bound_nbytes
+    FakeDevice(opt, capacity=_MIB + window + state, usage=_MIB)
+    armed = _failing_replans(opt, monkeypatch, RuntimeError("injected"))
+    _step_both(ref, ref_params, opt, params, 0)
+    set_grads(params, make_grads(params, 1))
+    with pytest.raises(RuntimeError, match="injected"):
+        opt.step()  # before anything of the step: the params and state are as after step 0
+    assert opt.plan.resident_nbytes == 0 and opt._placement.options.gpu_budget_mb is None
+    armed.clear()
+    opt.step()  # the same grads again: re-plans, then steps
+    opt.zero_grad()
+    ref.zero_grad()
+    set_grads(ref_params, make_grads(ref_params, 1))
+    ref.step()
+    assert opt.plan.resident_nbytes > 0
+    _assert_same(ref, ref_params, opt, params)
+
+
+def test_a_shrink_without_memory_propagates(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, _, opt, params = _auto(gpu_headroom_mb=0)
+    state, window = _state_bytes(opt), opt.plan.window_bound_nbytes
+    device = FakeDevice(opt, capacity=_MIB + window + state, usage=_MIB)
+    for k in range(3):
+        set_grads(params, make_grads(params, k))
+        opt.step()
+    assert opt.plan.resident_nbytes > 0
+    _failing_replans(opt, monkeypatch, torch.OutOfMemoryError("no memory"))
+    device.usage += state
+    set_grads(params, make_grads(params, 3))
+    with pytest.raises(torch.OutOfMemoryError):
+        opt.step()
+    assert opt.plan.resident_nbytes > 0
+    with pytest.raises(torch.OutOfMemoryError):
+        opt.step()  # tried again, before anything else

@@ -83,6 +83,8 @@ class AutoBudget:
       next forward allocates anything.
     - It cannot protect against a peak that grows within one iteration past what is free (a larger batch, a longer
       sequence): that is an out-of-memory error in the forward or backward, as without the wrapper.
+    - A re-plan that fails leaves the old layout installed and the budget as it was; a growth that finds no device
+      memory is logged and not tried again, anything else propagates.
 
     Args:
         placement: owns the layout; its ``options.gpu_budget_mb`` is what this class sets.
@@ -125,9 +127,23 @@ class AutoBudget:
         elif self.shrunk or room - resident < plan.slot_nbytes or not plan.chunks:
             return
         budget = room + plan.window_bound_nbytes
-        before = plan.resident_nbytes
+        before, planned = plan.resident_nbytes, placement.options.gpu_budget_mb
         placement.options.gpu_budget_mb = budget / _MIB
-        placement.sync(force=True)
+        try:
+            placement.sync(force=True)  # builds the new homes first: on failure the old layout stays installed
+        except torch.OutOfMemoryError:
+            placement.options.gpu_budget_mb = planned
+            if room < resident:
+                self.checked = -1  # the next step tries again
+                raise  # moving state off the device failed: the training cannot be protected
+            self.shrunk = True  # the estimate was wrong: stay where it is and grow no more
+            logger.warning("gpu_budget_mb='auto': no device memory for %.0f MiB of resident state; stays at "
+                           "%.0f MiB", budget / _MIB, before / _MIB)  # fmt: skip
+            return
+        except BaseException:
+            placement.options.gpu_budget_mb = planned
+            self.checked = -1  # the next step tries again
+            raise
         after = placement.plan
         moved = self.read(placement.device)
         if moved is not None:  # what the re-plan itself allocated on the way is not the training's
