@@ -488,28 +488,27 @@ def main() -> int:
             gc.collect()
             if gpu:
                 torch.cuda.empty_cache()
-            if variant == "resident" and variant not in times:
-                break  # nothing to compare with
-        if "resident" not in times or floor is None:
+        if floor is None or not times:
             continue
         tokens = batch * args.seq
-        base = times["resident"].median
+        base = times["resident"].median if "resident" in times else None  # None: the resident loop did not fit
         for variant in (v for v in variants if v in times):
-            added = times[variant].median - base
-            kept = base / times[variant].median
+            added = None if base is None else times[variant].median - base
+            kept = None if base is None else base / times[variant].median
             rec.add(workload, variant, f"iter_s@{tokens}", times[variant])
             rec.add(workload, variant, f"peak_gib@{tokens}", peaks[variant] / 2**30)
             host_s, step_s, share = hosts[variant]
             rec.add(workload, variant, f"step_host_s@{tokens}", host_s)
             if variant != "resident":
-                rec.add(workload, variant, f"exposed_x_floor@{tokens}", added / floor)
-                rec.add(workload, variant, f"kept@{tokens}", kept)
+                if added is not None and kept is not None:
+                    rec.add(workload, variant, f"exposed_x_floor@{tokens}", added / floor)
+                    rec.add(workload, variant, f"kept@{tokens}", kept)
                 if variant not in PEERS:
                     rec.add(workload, variant, f"step_s@{tokens}", step_s)
                 if share is not None:
                     rec.add(workload, variant, f"resident_share@{tokens}", share)
-            rows.append((tokens, variant, times[variant].median, added, added / floor, kept, peaks[variant] / 2**30,
-                         host_s, step_s, share))  # fmt: skip
+            rows.append((tokens, variant, times[variant].median, added, None if added is None else added / floor, kept,
+                         peaks[variant] / 2**30, host_s, step_s, share))  # fmt: skip
     if floor is not None:
         rec.add(workload, "floor", "step_floor_s", floor)
     for variant, ok in exact.items():
@@ -522,14 +521,18 @@ def main() -> int:
     )
     for tokens, variant, it, added, ratio, kept, peak, host_s, step_s, share in rows:
         ours = variant not in ("resident", *PEERS)
+        relative = variant != "resident" and added is not None and ratio is not None
         print(
-            f"{tokens:>7} {variant:>13} {it:>8.4f} {'-' if variant == 'resident' else f'{added:.4f}':>8} "
-            f"{'-' if variant == 'resident' else f'{ratio:.3f}':>8} {f'{100 * kept:.0f}%':>6} {peak:>9.2f} "
+            f"{tokens:>7} {variant:>13} {it:>8.4f} {f'{added:.4f}' if relative else '-':>8} "
+            f"{f'{ratio:.3f}' if relative else '-':>8} {'-' if kept is None else f'{100 * kept:.1f}%':>6} {peak:>9.2f} "
             f"{host_s:>14.4f} {f'{step_s:.4f}' if ours else '-':>8} {'-' if share is None else f'{share:.0%}':>8}"
         )
+    if any(row[3] is None for row in rows):
+        print("(-: the resident loop did not fit at that size, so nothing is relative to it)")
     added_by: dict[int, dict[str, float]] = {}
     for row in rows:
-        added_by.setdefault(row[0], {})[row[1]] = row[3]
+        if row[3] is not None:
+            added_by.setdefault(row[0], {})[row[1]] = row[3]
     for tokens, of in sorted(added_by.items()):
         if "deepspeed" in of:
             ratios = [
