@@ -109,27 +109,28 @@ def _gates(
     another block waits for its subtree's params (less those of units inside it); every other module with params of
     its own, outside the blocks, waits for those.
     """
+    block_ids = {id(b) for c in model.modules() if isinstance(c, torch.nn.ModuleList) for b in c.children()}
     gates: dict[torch.nn.Module, list[torch.Tensor]] = {}
     inside: set[int] = set()  # modules within a block (the block itself excluded)
-    if blocks:
-        for container in model.modules():
-            if not isinstance(container, torch.nn.ModuleList) or id(container) in inside:
-                continue
-            for block in container.children():
-                if id(block) in inside or block in units:
-                    continue
-                nested = {id(p) for n in block.modules() if n in units for p in n.parameters()}
-                gates[block] = [p for p in block.parameters() if id(p) not in nested]
-                inside.update(id(m) for m in block.modules() if m is not block)
-    for m in model.modules():
+    for m in model.modules():  # parents before their children
         if m in units:
             gates[m] = units[m]
-        elif id(m) not in inside and m not in gates:
+        elif id(m) in inside:
+            continue
+        elif blocks and id(m) in block_ids:
+            gates[m] = _subtree_params(m, units.__contains__)
+            inside.update(id(n) for n in m.modules() if n is not m)
+        else:
             own: list[torch.Tensor] = [p for p in m._parameters.values() if p is not None]
             if own:
                 gates[m] = own
-    order = {m: i for i, m in enumerate(model.modules())}
-    return dict(sorted(gates.items(), key=lambda item: order[item[0]]))
+    return gates
+
+
+def _subtree_params(module: torch.nn.Module, is_unit: Callable[[torch.nn.Module], bool]) -> list[torch.Tensor]:
+    """The params of ``module``'s subtree, less those of the FSDP2 units nested in it."""
+    nested = {id(p) for n in module.modules() if n is not module and is_unit(n) for p in n.parameters()}
+    return [p for p in module.parameters() if id(p) not in nested]
 
 
 def _fsdp_units(model: torch.nn.Module) -> dict[torch.nn.Module, list[torch.Tensor]]:
@@ -138,12 +139,11 @@ def _fsdp_units(model: torch.nn.Module) -> dict[torch.nn.Module, list[torch.Tens
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch built without distributed
         return {}
-    units: dict[torch.nn.Module, list[torch.Tensor]] = {}
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            nested = {id(p) for n in m.modules() if n is not m and isinstance(n, FSDPModule) for p in n.parameters()}
-            units[m] = [p for p in m.parameters() if id(p) not in nested]
-    return units
+
+    def is_unit(module: torch.nn.Module) -> bool:
+        return isinstance(module, FSDPModule)
+
+    return {m: _subtree_params(m, is_unit) for m in model.modules() if is_unit(m)}
 
 
 def _fsdp_state(module: torch.nn.Module) -> Any:
