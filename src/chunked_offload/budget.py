@@ -104,7 +104,7 @@ class AutoBudget:
         self.checked = -1  # the number of steps opened when the memory was last read
         self.usage = 0  # the training's own peak, U
         self.seen_peak = 0
-        self.shrunk = False
+        self.may_grow = True  # until a shrink, or a growth that found no device memory
 
     def before_step(self, opened: int) -> None:
         """Before a step opens, ``opened`` steps after the first: read the memory, and re-plan when the budget
@@ -122,27 +122,24 @@ class AutoBudget:
             self.usage = max(self.usage, reading.peak - resident)
             self.seen_peak = reading.peak
         room = max(0, reading.capacity - self.headroom - self.usage)  # for resident state
-        if room < resident:
-            self.shrunk = True
-        elif self.shrunk or room - resident < plan.slot_nbytes or not plan.chunks:
+        growing = room >= resident
+        if not growing:
+            self.may_grow = False
+        elif not self.may_grow or room - resident < plan.slot_nbytes or not plan.chunks:
             return
         budget = room + plan.window_bound_nbytes
         before, planned = plan.resident_nbytes, placement.options.gpu_budget_mb
         placement.options.gpu_budget_mb = budget / _MIB
         try:
             placement.sync(force=True)  # builds the new homes first: on failure the old layout stays installed
-        except torch.OutOfMemoryError:
+        except BaseException as exc:
             placement.options.gpu_budget_mb = planned
-            if room < resident:
-                self.checked = -1  # the next step tries again
-                raise  # moving state off the device failed: the training cannot be protected
-            self.shrunk = True  # the estimate was wrong: stay where it is and grow no more
-            logger.warning("gpu_budget_mb='auto': no device memory for %.0f MiB of resident state; stays at "
-                           "%.0f MiB", budget / _MIB, before / _MIB)  # fmt: skip
-            return
-        except BaseException:
-            placement.options.gpu_budget_mb = planned
-            self.checked = -1  # the next step tries again
+            if growing and isinstance(exc, torch.OutOfMemoryError):
+                self.may_grow = False  # the estimate was wrong: stay where it is
+                logger.warning("gpu_budget_mb='auto': no device memory for %.0f MiB of resident state; stays at "
+                               "%.0f MiB", budget / _MIB, before / _MIB)  # fmt: skip
+                return
+            self.checked = -1  # the next step tries again (a shrink that failed: before anything else allocates)
             raise
         after = placement.plan
         moved = self.read(placement.device)
