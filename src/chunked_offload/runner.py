@@ -154,7 +154,8 @@ class StepRunner:
             self.flush()
             self.phase.to(Phase.ACCUMULATING)
         record = self.last_step = step.record
-        self._reads = {}  # the next forward's reads order the next step's chunks
+        if self.overlap:
+            self._reads = {}  # the next forward's reads order the next step's chunks
         if self.overlap and not self.gate.attached:
             self.notices.warn(
                 "overlap-unattached",
@@ -338,7 +339,7 @@ class StepRunner:
 
     def attached(self, delta: int) -> None:
         self.gate.attached += delta
-        if delta > 0:
+        if delta > 0 and self.overlap:
             self._reads = {}
 
     def stats(self) -> StepStats | None:
