@@ -64,6 +64,7 @@ class BackwardStep:
         self._fresh = {c.index: not pipeline.has_state(c) for c in self.expected}
         self._done: list[Chunk] = []
         self._staged: tuple[int, Event] | None = None  # (chunk index, H2D event) in the next slot
+        self._first_open = 0  # position in ``expected`` before which every chunk has stepped
         self.closed = False
         self._watched: set[int] = set()  # graph tasks (backward passes) whose end calls close_at_end
         self.versions: dict[int, int] = {}  # param index -> its grad's version when the chunk was stepped
@@ -172,8 +173,10 @@ class BackwardStep:
 
     def _stage_next(self) -> None:
         """Start the H2D of the next expected chunk (if it has state) in the slot of the next position."""
-        for chunk in self.expected:
-            if chunk.index in self._open:
-                if not self._fresh[chunk.index] and chunk.transfer_nbytes:
-                    self._staged = (chunk.index, self.pipeline.stage(chunk, self.pipeline.slot_for(len(self._done))))
-                return
+        expected = self.expected
+        while self._first_open < len(expected) and expected[self._first_open].index not in self._open:
+            self._first_open += 1  # chunks never reopen: the scan resumes where the last one stopped
+        if self._first_open < len(expected):
+            chunk = expected[self._first_open]
+            if not self._fresh[chunk.index] and chunk.transfer_nbytes:
+                self._staged = (chunk.index, self.pipeline.stage(chunk, self.pipeline.slot_for(len(self._done))))
