@@ -298,7 +298,25 @@ def run_variant(
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     RESERVED[variant] = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0  # what "auto" reads
     step_s = opt.stats.seconds if isinstance(opt, ChunkedOffloadOptimizer) and opt.stats is not None else 0.0
+    if args.trace is not None:
+        trace(model, opt, data[-2:], clip, forward, args.trace / f"{variant}_{batch * args.seq}.json.gz")
     return seconds, peak, opt, statistics.median(hosts), step_s
+
+
+def trace(model: torch.nn.Module, opt: Any, data: list, clip: bool, forward: Any, path: Path) -> None:
+    """A profiler trace (Chrome format, gzipped) of a few more iterations, after the timed ones."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = next(model.parameters()).device
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for ids in data:
+            iterate(model, opt, ids, clip, forward)
+        opt.wait_step()
+        synchronize(device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+    print(f"trace: {path}")
 
 
 def auto_cap(
@@ -400,6 +418,7 @@ def main() -> int:
     parser.add_argument("--compile", metavar="MODE", help="torch.compile mode: default, max-autotune-no-cudagraphs")
     parser.add_argument("--fsdp2", action="store_true", help="shard the model with FSDP2 (world size 1)")
     parser.add_argument("--blocks", action="store_true", help="attach(model, blocks=True): a hook per decoder layer")
+    parser.add_argument("--trace", type=Path, metavar="DIR", help="write a profiler trace of each variant to DIR")
     args = parser.parse_args()
     args.variants = tuple(v for v in args.variants.split(",") if v) + (PEERS if args.peers else ())
     unknown = [v for v in args.variants if v not in (*VARIANTS, *AUTO, *PEERS)]
