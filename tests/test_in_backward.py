@@ -292,3 +292,44 @@ def test_reentrant_checkpointing_steps_every_chunk_once(head_outside: bool) -> N
 
     for i, (a, b) in enumerate(zip(train("plain"), train("backward"), strict=True)):
         assert_equal(a, b, f"param {i}")
+
+
+class _NormLast(torch.nn.Module):
+    """Declares its norm after the linear it feeds, as an HF decoder layer declares its norms after its MLP: the
+    backward finishes the norm's grads after the linear's, against reverse parameter order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+        self.norm = torch.nn.LayerNorm(16)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(self.linear(self.norm(h)))
+
+
+def test_the_backward_order_is_learned_so_that_no_chunk_is_staged_twice() -> None:
+    """[Note: Backward order]: from the second backward on, each chunk is staged once, in the order the grads come."""
+    runs = []
+    for mode in ("plain", "backward"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(_NormLast() for _ in range(4)))
+        opt = ChunkedOffloadOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2),
+            chunk_size_mb=_KIB / 4,  # a chunk per bundle, but a norm's weight and bias go together
+            step_in_backward=mode == "backward",
+        )
+        opt.attach(model)
+        gen = torch.Generator().manual_seed(1)
+        h2d = []
+        for _ in range(4):
+            model(torch.randn(3, 16, generator=gen)).square().mean().backward()
+            opt.step()
+            assert opt.stats is not None
+            h2d.append(opt.stats.h2d_bytes)
+            opt.zero_grad()
+        runs.append((model, opt))
+        if mode == "backward":
+            assert len(opt.plan.all_chunks) >= 8
+            staged = sum(c.transfer_nbytes for c in opt.plan.all_chunks)
+            assert h2d == [0, staged, staged, staged]  # the first step creates the state; none is brought in twice
+    _assert_same(runs[0], runs[1])

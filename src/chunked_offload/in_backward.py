@@ -24,12 +24,12 @@ class BackwardStep:
     [Note: Step in backward]
     With ``step_in_backward=True`` every param has a post-accumulate-grad hook. The first hook of a backward opens a
     step (the checks, copies and group counters of ``step()``, the slots' memory) and starts the H2D of the chunk
-    expected first: the backward produces grads in about reverse parameter order, so chunks are expected last to
-    first. Each hook marks its param's grad final. Once every param of a chunk is final, the chunk is stepped on the
-    gate's stream, which first waits for the backward's stream up to that point, and written back; then the H2D of the
-    next expected chunk starts in the other slot. A chunk that arrives out of the expected order takes the slot over
-    (its H2D queues behind the one it replaces). At the end of the backward an autograd callback steps the chunks
-    still open (some of their params got no grad, as a plain step would skip them) and closes the step.
+    expected first ([Note: Backward order] in runner.py). Each hook marks its param's grad final. Once every param of
+    a chunk is final, the chunk is stepped on the gate's stream, which first waits for the backward's stream up to
+    that point, and written back; then the H2D of the next expected chunk starts in the other slot. A chunk that
+    arrives out of the expected order takes the slot over (its H2D queues behind the one it replaces). At the end of
+    the backward an autograd callback steps the chunks still open (some of their params got no grad, as a plain step
+    would skip them) and closes the step.
 
     Reentrant activation checkpointing runs a nested backward for each checkpointed segment, and the grads of the
     params inside it arrive there. A callback queued from a hook goes to the backward the hook runs in, so each
@@ -63,10 +63,11 @@ class BackwardStep:
         self._open = {c.index: set(c.params) for c in self.expected}
         self._fresh = {c.index: not pipeline.has_state(c) for c in self.expected}
         self._done: list[Chunk] = []
-        self._staged: tuple[int, Event] | None = None  # (chunk index, H2D event) in the next slot
+        self._staged: tuple[Chunk, Event] | None = None  # (chunk, H2D event) in the next slot
         self._first_open = 0  # position in ``expected`` before which every chunk has stepped
         self.closed = False
         self._watched: set[int] = set()  # graph tasks (backward passes) whose end calls close_at_end
+        self.arrivals: dict[int, int] = {}  # param index -> rank of its final grad in this backward
         self.versions: dict[int, int] = {}  # param index -> its grad's version when the chunk was stepped
 
     # ------------------------------------------------------------------ driven by the hooks
@@ -81,8 +82,11 @@ class BackwardStep:
 
     def grad_ready(self, index: int) -> None:
         """Param ``index`` has its final grad; step its chunk once all of the chunk's params do."""
+        if self.closed:
+            return
+        self.arrivals.setdefault(index, len(self.arrivals))
         chunk = self._chunk_of.get(index)
-        if chunk is None or self.closed:
+        if chunk is None:
             return
         waiting = self._open.get(chunk.index)
         if waiting is None:
@@ -114,6 +118,7 @@ class BackwardStep:
         if self._staged is not None:
             # A chunk was brought in but got no grad: its H2D may still write the slot, which the finish below
             # would not order against (it records the D2H stream only).
+            self.record.add_dropped_stage(self._staged[0])
             self._staged = None
             self.pipeline.drain()
         self.pipeline.finish()
@@ -165,10 +170,11 @@ class BackwardStep:
     def _take_staged(self, chunk: Chunk, slot: Slot) -> tuple[bool, Event]:
         """Whether ``chunk`` is the one staged in its slot, and its H2D event; otherwise the slot is handed over."""
         staged, self._staged = self._staged, None
-        if staged is not None and staged[0] == chunk.index:
+        if staged is not None and staged[0].index == chunk.index:
             return True, staged[1]
         if staged is not None:
             self.pipeline.release_staged(slot)
+            self.record.add_dropped_stage(staged[0])
         return False, None
 
     def _stage_next(self) -> None:
@@ -179,4 +185,4 @@ class BackwardStep:
         if self._first_open < len(expected):
             chunk = expected[self._first_open]
             if not self._fresh[chunk.index] and chunk.transfer_nbytes:
-                self._staged = (chunk.index, self.pipeline.stage(chunk, self.pipeline.slot_for(len(self._done))))
+                self._staged = (chunk, self.pipeline.stage(chunk, self.pipeline.slot_for(len(self._done))))

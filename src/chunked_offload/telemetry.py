@@ -20,7 +20,8 @@ class StepStats:
 
     Attributes:
         chunks: chunks stepped.
-        h2d_bytes: bytes copied host -> device (offloaded chunks).
+        h2d_bytes: bytes copied host -> device (offloaded chunks; in a backward step also those staged ahead and
+            then not stepped from that slot, [Note: Backward order]).
         d2h_bytes: bytes copied device -> host (offloaded chunks, and the state a first step creates).
         d2d_bytes: bytes copied within the device each way (resident chunks).
         seconds: from the start of the step to the last write-back landing (device time on a GPU).
@@ -88,6 +89,11 @@ class StepRecord:
         held = sum(0 if s.buffer is None else s.buffer.numel() for s in pool.slots)
         held += sum(t.untyped_storage().nbytes() for s in pool.slots for t in s.retained)
         self.window = max(self.window, held)
+
+    def add_dropped_stage(self, chunk: Chunk) -> None:
+        """A chunk was staged but never stepped in that slot (another took it): its H2D crossed the link for nothing."""
+        if chunk.home is Home.HOST:
+            self.h2d += chunk.transfer_nbytes
 
     def compute_done(self) -> None:
         """Called on the compute stream after the last chunk's step."""
