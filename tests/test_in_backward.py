@@ -307,12 +307,23 @@ class _NormLast(torch.nn.Module):
         return torch.nn.functional.gelu(self.linear(self.norm(h)))
 
 
+class _Blocks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*(_NormLast() for _ in range(4)))
+        self.unused = torch.nn.Linear(16, 16)  # no grad: never brought in
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
 def test_the_backward_order_is_learned_so_that_no_chunk_is_staged_twice() -> None:
-    """[Note: Backward order]: from the second backward on, each chunk is staged once, in the order the grads come."""
+    """[Note: Backward order]: from the second backward on, each chunk with grads is staged once, and a chunk whose
+    params got no grad is not staged at all."""
     runs = []
     for mode in ("plain", "backward"):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(*(_NormLast() for _ in range(4)))
+        model = _Blocks()
         opt = ChunkedOffloadOptimizer(
             torch.optim.AdamW(model.parameters(), lr=1e-2),
             chunk_size_mb=_KIB / 4,  # a chunk per bundle, but a norm's weight and bias go together
@@ -330,6 +341,33 @@ def test_the_backward_order_is_learned_so_that_no_chunk_is_staged_twice() -> Non
         runs.append((model, opt))
         if mode == "backward":
             assert len(opt.plan.all_chunks) >= 8
-            staged = sum(c.transfer_nbytes for c in opt.plan.all_chunks)
+            unused = {opt._placement.binding.index_of(p) for p in model.unused.parameters()}
+            staged = sum(c.transfer_nbytes for c in opt.plan.all_chunks if not unused.issuperset(c.params))
             assert h2d == [0, staged, staged, staged]  # the first step creates the state; none is brought in twice
     _assert_same(runs[0], runs[1])
+
+
+def test_the_backward_stages_a_chunk_per_slot_ahead() -> None:
+    """[Note: Backward order]: each slot takes the next expected chunk as soon as it holds none, so the H2D of the
+    chunk after next starts before the next one steps."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(4)))
+    opt = ChunkedOffloadOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), chunk_size_mb=2 * _KIB, num_slots=2, step_in_backward=True
+    )
+    opt.attach(model)
+    events: list[tuple[str, int]] = []
+    pipeline = opt._runner.pipeline
+    stage, step = pipeline.stage, pipeline.step
+    pipeline.stage = lambda chunk, slot: events.append(("stage", chunk.index)) or stage(chunk, slot)  # type: ignore[method-assign]
+    pipeline.step = lambda chunk, *a: events.append(("step", chunk.index)) or step(chunk, *a)  # type: ignore[method-assign]
+    for _ in range(2):
+        events.clear()
+        model(torch.randn(3, 16)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    n = len(opt.plan.all_chunks)
+    assert n >= 4
+    last_two = [("stage", n - 1), ("stage", n - 2)]
+    assert events[:3] == [*last_two, ("step", n - 1)]  # two chunks in flight before the first steps
+    assert sorted(i for kind, i in events if kind == "stage") == list(range(n))  # each once

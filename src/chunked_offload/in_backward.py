@@ -44,6 +44,8 @@ class BackwardStep:
         pipeline: the per-chunk operations ([Note: Chunk pipeline]).
         expected: the chunks to expect, in the order the backward should finish them.
         step: the outer step, opened by the caller.
+        not_ahead: chunks never staged ahead (none of their params got a grad in the last backward); they are
+            brought in if they do get one.
         on_close: called once the step is closed (False) or aborted (True): the caller's own clean-up.
     """
 
@@ -53,6 +55,7 @@ class BackwardStep:
         expected: Sequence[Chunk],
         step: OpenStep,
         on_close: Callable[[bool], None],
+        not_ahead: frozenset[int] = frozenset(),
     ) -> None:
         self.pipeline = pipeline
         self.expected = list(expected)
@@ -62,9 +65,12 @@ class BackwardStep:
         self._chunk_of = {i: c for c in self.expected for i in c.params}
         self._open = {c.index: set(c.params) for c in self.expected}
         self._fresh = {c.index: not pipeline.has_state(c) for c in self.expected}
+        self._position = {c.index: k for k, c in enumerate(self.expected)}
+        self._not_ahead = not_ahead
         self._done: list[Chunk] = []
-        self._staged: tuple[Chunk, Event] | None = None  # (chunk, H2D event) in the next slot
-        self._first_open = 0  # position in ``expected`` before which every chunk has stepped
+        self._staged: dict[int, tuple[Chunk, Event]] = {}  # slot index -> the chunk staged there, its H2D event
+        self._cursor = 0  # position in ``expected`` before which no chunk is left to stage ahead
+        self._last_used: dict[int, int] = {}  # slot index -> position of the last chunk stepped in it
         self.closed = False
         self._watched: set[int] = set()  # graph tasks (backward passes) whose end calls close_at_end
         self.arrivals: dict[int, int] = {}  # param index -> rank of its final grad in this backward
@@ -72,10 +78,10 @@ class BackwardStep:
 
     # ------------------------------------------------------------------ driven by the hooks
     def begin(self) -> None:
-        """Take the slots' memory and start the H2D of the chunk expected first."""
+        """Take the slots' memory and start the H2D of the chunks expected first, one per slot."""
         try:
             self.pipeline.start(self.expected, [self._fresh[c.index] for c in self.expected], depth=0)
-            self._stage_next()
+            self._fill()
         except BaseException:
             self.abort(None)
             raise
@@ -115,11 +121,12 @@ class BackwardStep:
                 self._run(chunk)
         with self.pipeline.gate.stepping():
             self.record.compute_done()
-        if self._staged is not None:
-            # A chunk was brought in but got no grad: its H2D may still write the slot, which the finish below
+        if self._staged:
+            # Chunks were brought in but got no grad: their H2D may still write the slots, which the finish below
             # would not order against (it records the D2H stream only).
-            self.record.add_dropped_stage(self._staged[0])
-            self._staged = None
+            for chunk, _ in self._staged.values():
+                self.record.add_dropped_stage(chunk)
+            self._staged.clear()
             self.pipeline.drain()
         self.pipeline.finish()
         self.record.transfers_done()
@@ -139,21 +146,21 @@ class BackwardStep:
         del self._open[chunk.index]
         self._keep_grads_alive(chunk)
         position = len(self._done)
-        slot = pipeline.slot_for(position)
         fresh = self._fresh[chunk.index]
         pending: Pending | None = None
         try:
-            matched, event = self._take_staged(chunk, slot)
+            slot, matched, event = self._slot_for(chunk)
             with pipeline.gate.stepping():
                 if not fresh and not matched:
                     event = pipeline.stage(chunk, slot)
                 pending = pipeline.step(chunk, slot, fresh, event, self.counters)
                 pipeline.commit(chunk, pending)
                 pending = None
+            self._last_used[slot.index] = position
             self._record_versions(chunk)
             self._done.append(chunk)
             self.record.add_chunk(chunk, fresh, pipeline.pool)
-            self._stage_next()
+            self._fill()
         except BaseException as exc:
             committed = len(self._done) + (1 if self.abort(pending) else 0)
             note_failure(exc, self._done + [chunk], position, committed)
@@ -167,22 +174,50 @@ class BackwardStep:
         for i, grad in self.pipeline.grads(chunk):
             self.versions[i] = grad._version
 
-    def _take_staged(self, chunk: Chunk, slot: Slot) -> tuple[bool, Event]:
-        """Whether ``chunk`` is the one staged in its slot, and its H2D event; otherwise the slot is handed over."""
-        staged, self._staged = self._staged, None
-        if staged is not None and staged[0].index == chunk.index:
-            return True, staged[1]
-        if staged is not None:
-            self.pipeline.release_staged(slot)
-            self.record.add_dropped_stage(staged[0])
-        return False, None
+    def _slot_for(self, chunk: Chunk) -> tuple[Slot, bool, Event]:
+        """The slot ``chunk`` steps in, whether it is staged there, and the H2D event: its own slot if it is staged;
+        else a slot that holds no staged chunk; else the one whose chunk is expected last, which gives it up (its
+        H2D queues behind the one it replaces, and it is staged again later)."""
+        slots = self.pipeline.pool.slots
+        for index, (staged, event) in self._staged.items():
+            if staged.index == chunk.index:
+                del self._staged[index]
+                return slots[index], True, event
+        idle = [s for s in slots if s.index not in self._staged]
+        if idle:
+            return min(idle, key=lambda s: self._last_used.get(s.index, -1)), False, None
+        index = max(self._staged, key=lambda k: self._position[self._staged[k][0].index])
+        dropped, _ = self._staged.pop(index)
+        self.pipeline.release_staged(slots[index])
+        self.record.add_dropped_stage(dropped)
+        self._cursor = min(self._cursor, self._position[dropped.index])
+        return slots[index], False, None
 
-    def _stage_next(self) -> None:
-        """Start the H2D of the next expected chunk (if it has state) in the slot of the next position."""
+    def _fill(self) -> None:
+        """Start the H2D of the next expected chunks into the slots that hold none, the one used longest ago first
+        (its write-back is the furthest along): the link runs up to ``num_slots`` chunks ahead of the backward."""
+        idle = [s for s in self.pipeline.pool.slots if s.index not in self._staged]
+        for slot in sorted(idle, key=lambda s: self._last_used.get(s.index, -1)):
+            chunk = self._next_to_stage()
+            if chunk is None:
+                return
+            self._staged[slot.index] = (chunk, self.pipeline.stage(chunk, slot))
+
+    def _next_to_stage(self) -> Chunk | None:
+        """The first expected chunk that is open, not staged, and has bytes to bring in; the scan resumes where the
+        last one stopped (only a chunk that gave up its slot moves it back)."""
+        staged = {c.index for c, _ in self._staged.values()}
         expected = self.expected
-        while self._first_open < len(expected) and expected[self._first_open].index not in self._open:
-            self._first_open += 1  # chunks never reopen: the scan resumes where the last one stopped
-        if self._first_open < len(expected):
-            chunk = expected[self._first_open]
-            if not self._fresh[chunk.index] and chunk.transfer_nbytes:
-                self._staged = (chunk, self.pipeline.stage(chunk, self.pipeline.slot_for(len(self._done))))
+        while self._cursor < len(expected):
+            chunk = expected[self._cursor]
+            self._cursor += 1
+            index = chunk.index
+            if (
+                index in self._open
+                and index not in staged
+                and index not in self._not_ahead
+                and not self._fresh[index]
+                and chunk.transfer_nbytes
+            ):
+                return chunk
+        return None

@@ -66,8 +66,12 @@ class StepRunner:
     after the one before it (measured on the H200: 16.6 GB H2D per step for 11.4 GB of state, and the next forward
     waiting 25 ms for the last chunk). So each backward records the order in which its params' grads became final,
     and the next expects each chunk when its last param was final in that order (chunks with a param that got no
-    final grad last, as before). Chunks step in whatever order their grads are final either way: the order changes
-    what is staged ahead, never a result.
+    final grad last, as before; a chunk none of whose params got one is not staged ahead at all). Chunks step in
+    whatever order their grads are final either way: the order changes what is staged ahead, never a result.
+
+    The link runs up to ``num_slots`` chunks ahead: each slot that holds no staged chunk takes the next expected one
+    at once, behind the write-back of the chunk that last used it, instead of one chunk being staged after each
+    step (measured: the H2D link idle about 40% of the backward, and the last chunk brought in after the backward).
 
     Args:
         inner: the wrapped optimizer.
@@ -264,19 +268,22 @@ class StepRunner:
             else:
                 self.grad_order = backward.arrivals
 
-        backward = self.backward = BackwardStep(self.pipeline, self._backward_order(), step, on_close)
+        expected, not_ahead = self._backward_order()
+        backward = self.backward = BackwardStep(self.pipeline, expected, step, on_close, not_ahead)
         self.last_step = step.record
         backward.begin()
         return backward
 
-    def _backward_order(self) -> list[Chunk]:
-        """The chunks in the order the backward is expected to finish them ([Note: Backward order])."""
+    def _backward_order(self) -> tuple[list[Chunk], frozenset[int]]:
+        """The chunks in the order the backward is expected to finish them, and those not to stage ahead
+        ([Note: Backward order])."""
         chunks = list(reversed(self.placement.plan.all_chunks))
         order = self.grad_order
-        if order:
-            unseen = len(order)
-            chunks.sort(key=lambda c: max(order.get(i, unseen) for i in c.params))
-        return chunks
+        if not order:
+            return chunks, frozenset()
+        unseen = len(order)
+        chunks.sort(key=lambda c: max(order.get(i, unseen) for i in c.params))
+        return chunks, frozenset(c.index for c in chunks if not any(i in order for i in c.params))
 
     def _finish_in_backward(self, scaler: Mapping[str, torch.Tensor]) -> None:
         """``step()`` after a backward that stepped: refuse what changed the grads after their update."""
