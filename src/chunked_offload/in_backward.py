@@ -23,12 +23,13 @@ class BackwardStep:
 
     [Note: Step in backward]
     With ``step_in_backward=True`` every param has a post-accumulate-grad hook. The first hook of a backward opens a
-    step (the checks, copies and group counters of ``step()``, the slots' memory) and starts the H2D of the chunk
-    expected first ([Note: Backward order] in runner.py). Each hook marks its param's grad final. Once every param of
-    a chunk is final, the chunk is stepped on the gate's stream, which first waits for the backward's stream up to
-    that point, and written back; then the H2D of the next expected chunk starts in the other slot. A chunk that
-    arrives out of the expected order takes the slot over (its H2D queues behind the one it replaces). At the end of
-    the backward an autograd callback steps the chunks still open (some of their params got no grad, as a plain step
+    step (the checks, copies and group counters of ``step()``, the slots' memory) and starts the H2D of the chunks
+    expected first, one per slot ([Note: Backward order] in runner.py). Each hook marks its param's grad final. Once
+    every param of a chunk is final, the chunk is stepped on the gate's stream, which first waits for the backward's
+    stream up to that point, and written back; then its slot takes the next expected chunk not yet staged. A chunk
+    that is not staged when its grads are final takes a slot that holds none, or else the slot of the staged chunk
+    expected last (its H2D queues behind the one it replaces; the other is staged again later). At the end of the
+    backward an autograd callback steps the chunks still open (some of their params got no grad, as a plain step
     would skip them) and closes the step.
 
     Reentrant activation checkpointing runs a nested backward for each checkpointed segment, and the grads of the
