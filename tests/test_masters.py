@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -152,3 +153,68 @@ def test_non_floating_params_are_rejected_with_masters() -> None:
     params = [torch.nn.Parameter(torch.zeros(3, dtype=torch.int32), requires_grad=False)]
     with pytest.raises(ValueError, match="needs floating-point params, got params of dtype"):
         ChunkedOffloadOptimizer(torch.optim.SGD(params, lr=0.1), master_weights="fp32")
+
+
+def _edit_rule(param: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    """[Note: Edited params] element by element, in int64 arithmetic: the master's low 16 bits under the param's high
+    bits (``bits(x) - round(x) * 65536 + P * 65536`` as a 32-bit pattern), or the param itself where that does not
+    round to the param."""
+    x = master.reshape(-1).view(torch.int32).long()
+    p = param.reshape(-1)
+    if param.dtype == torch.bfloat16:
+        r = master.reshape(-1).to(torch.bfloat16).view(torch.int16).long()
+        x = (x - r * 65536 + p.view(torch.int16).long() * 65536 + 2**31) % 2**32 - 2**31
+    out = x.int().view(torch.float32)
+    keep = out.to(param.dtype).view(torch.int16) == p.view(torch.int16)
+    return torch.where(keep, out, p.float()).view(master.shape)
+
+
+def _edited_pairs(dtype: torch.dtype, per_param: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every 16-bit pattern as a param, each with masters that round to it, sit on its ties, or are unrelated."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.arange(-(2**15), 2**15, dtype=torch.int32).repeat_interleave(per_param)
+    param = p.to(torch.int16).view(dtype)
+    near = param.float().view(torch.int32)  # the param's value as an fp32 bit pattern
+    low = torch.randint(-(2**15), 2**15, p.shape, generator=g, dtype=torch.int32)
+    unrelated = torch.randint(-(2**31), 2**31 - 1, p.shape, generator=g, dtype=torch.int32)
+    kind = torch.arange(p.numel()) % 4
+    masters = torch.where(kind == 0, near + (low if dtype == torch.bfloat16 else low % 64), unrelated)
+    masters = torch.where(kind == 1, near + 32768, masters)  # a bf16 tie above P (and below P + 1)
+    masters = torch.where(kind == 2, (p ^ 1) * 65536 + low % 64, masters)  # a neighbour of P: an edit
+    return param, masters.view(torch.float32)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reconcile_master_follows_the_edited_params_rule_on_every_bit_pattern(dtype: torch.dtype, device: str) -> None:
+    from chunked_offload.masters import reconcile_master
+
+    param, master = _edited_pairs(dtype)
+    expected = _edit_rule(param, master)
+    got = master.to(device)
+    reconcile_master(param.to(device), got, rounded=torch.empty_like(param, device=device))
+    got = got.cpu()
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+    assert torch.equal(got.to(dtype).view(torch.int16)[~param.isnan()], param.view(torch.int16)[~param.isnan()])
+    unedited = master.to(dtype).view(torch.int16) == param.view(torch.int16)
+    assert torch.equal(got.view(torch.int32)[unedited], master.view(torch.int32)[unedited])  # x itself
+
+
+@pytest.mark.parametrize(
+    "shape, permute",
+    [((64, 48), (1, 0)), ((4, 6, 8), (2, 0, 1)), ((5, 1), (1, 0)), ((1, 1), (1, 0)), ((), ())],
+)
+def test_reconcile_master_in_any_dense_layout(shape: tuple[int, ...], permute: tuple[int, ...]) -> None:
+    from chunked_offload.masters import reconcile_master
+
+    param, master = _edited_pairs(torch.bfloat16, per_param=1)
+    n, start = math.prod(shape), 12345
+    param, master = param[start : start + n].reshape(shape), master[start : start + n].reshape(shape)
+    expected = _edit_rule(param, master)
+    strided = master.permute(permute).contiguous().permute(_inverse(permute))  # the same values, laid out otherwise
+    reconcile_master(param, strided, rounded=torch.empty_like(param))
+    assert torch.equal(strided.contiguous().view(torch.int32), expected.view(torch.int32))
+
+
+def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(sorted(range(len(order)), key=order.__getitem__))

@@ -235,7 +235,7 @@ class ChunkStepper:
         master = views[MASTER]
         if self.mode is MasterMode.REMAINDER:
             decode_remainder(p, views[REMAINDER], views[TIE_BITS], master)
-        reconcile_master(p, master, work=views[GRAD32], rounded=views[BACKUP])
+        reconcile_master(p, master, rounded=views[BACKUP])
 
     def _swap_in_master(self, info: ParamInfo, views: dict[str, torch.Tensor]) -> _MasterSwap:
         p = info.param
