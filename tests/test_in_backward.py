@@ -95,6 +95,50 @@ def test_stepping_in_backward_matches_the_plain_loop(inner: str, master: str, ch
     assert not backward[1]._pool.allocated  # the slots went back at the end of the backward
 
 
+def _raw_state(opt: ChunkedOffloadOptimizer, model: _Net) -> list[dict[str, Any]]:
+    """The inner's state entries read straight from its table (not through ``opt.state``, which lands them)."""
+    table = opt.inner.state
+    return [dict(dict.get(table, p, {})) for p in model.parameters()]
+
+
+@pytest.mark.parametrize("reader", ["synchronize", "state_dict", "write", "load", "offload", "replan"])
+def test_the_last_chunks_write_back_is_held_until_the_host_copies_are_used(reader: str) -> None:
+    """[Note: Held write-back]: the chunk the backward finishes last (the embedding's) keeps its write-back in its
+    slot after the step; whatever reads or writes the host copies lands it first, and training stays bitwise."""
+    plain, backward = _train("plain", steps=3), _train("backward", steps=3)
+    pipeline, model, opt = backward[1]._pipeline, backward[0], backward[1]
+    assert pipeline._held is not None and 0 in pipeline._held[0].params  # the embedding: its grad is final last
+    assert [s for s in opt._pool.slots if s.buffer is not None] == [pipeline.held_slot]
+    if reader == "synchronize":
+        opt.synchronize()
+    elif reader == "state_dict":
+        opt.state_dict()
+    elif reader == "write":  # into the inner's table: the held write-back must not land over it later
+        for m, o in (plain, backward):
+            o.inner.state[m.embed.weight]["exp_avg"] = torch.full_like(m.embed.weight, 0.5)
+    elif reader == "load":
+        opt.load_state_dict(plain[1].state_dict())
+    elif reader == "offload":
+        opt.offload()
+    else:
+        opt.replan()
+    assert pipeline.held_slot is None and not opt._pool.allocated
+    for got, want in zip(_raw_state(opt, model), _raw_state(plain[1], plain[0]), strict=True):
+        assert got.keys() == want.keys()
+        for key in got:
+            assert_equal(got[key], want[key], key)
+    if reader == "offload":
+        opt.reload()
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(2):  # the next steps start from the landed copies
+        x = torch.randint(0, 40, (3, 5), generator=gen)
+        for m, o in (plain, backward):
+            torch.nn.functional.cross_entropy(m(x).flatten(0, 1), x.flatten()).backward()
+            o.step()
+            o.zero_grad()
+    _assert_same(plain, backward)
+
+
 def test_gradient_accumulation_steps_only_in_the_last_backward() -> None:
     _assert_same(_train("plain", micro=3), _train("backward", micro=3))
 
@@ -287,6 +331,10 @@ def test_reentrant_checkpointing_steps_every_chunk_once(head_outside: bool) -> N
             opt.step()
             opt.zero_grad()
         opt.wait_step()
+        held = [] if opt._pipeline.held_slot is None else [opt._pipeline.held_slot]
+        assert [s for s in opt._pool.slots if s.buffer is not None] == held  # [Note: Held write-back]
+        assert bool(held) is (mode == "backward")
+        opt.synchronize()
         assert not opt._pool.allocated
         return [p.detach().clone() for p in layers.parameters()]
 

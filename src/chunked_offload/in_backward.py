@@ -80,6 +80,9 @@ class BackwardStep:
     # ------------------------------------------------------------------ driven by the hooks
     def begin(self) -> None:
         """Take the slots' memory and start the H2D of the chunks expected first, one per slot."""
+        held = self.pipeline.held_slot
+        if held is not None:
+            self._last_used[held.index] = -1  # its write-back is enqueued now, last: it stages last
         try:
             self.pipeline.start(self.expected, [self._fresh[c.index] for c in self.expected], depth=0)
             self._fill()
@@ -100,7 +103,7 @@ class BackwardStep:
             return  # stepped already (a param whose grad is accumulated twice in one backward)
         waiting.discard(index)
         if not waiting:
-            self._run(chunk)
+            self._run(chunk, last=all(c in self._not_ahead for c in self._open if c != chunk.index))
 
     def close_with_backward(self) -> None:
         """Close the step at the end of the backward pass the current hook runs in, unless it is a nested one."""
@@ -117,9 +120,9 @@ class BackwardStep:
         """End of the backward: step the chunks still open that have grads, then give the memory back."""
         if self.closed:
             return
-        for chunk in self.expected:
-            if chunk.index in self._open and self.pipeline.grads(chunk):
-                self._run(chunk)
+        remaining = [c for c in self.expected if c.index in self._open and self.pipeline.grads(c)]
+        for chunk in remaining:
+            self._run(chunk, last=chunk is remaining[-1])
         with self.pipeline.gate.stepping():
             self.record.compute_done()
         if self._staged:
@@ -142,7 +145,9 @@ class BackwardStep:
         return forward
 
     # ------------------------------------------------------------------ one chunk
-    def _run(self, chunk: Chunk) -> None:
+    def _run(self, chunk: Chunk, last: bool) -> None:
+        """Step ``chunk``; ``last``: no other chunk is expected in this backward, so its write-back is held
+        ([Note: Held write-back] in pipeline.py)."""
         pipeline = self.pipeline
         del self._open[chunk.index]
         self._keep_grads_alive(chunk)
@@ -150,12 +155,13 @@ class BackwardStep:
         fresh = self._fresh[chunk.index]
         pending: Pending | None = None
         try:
+            pipeline.flush_write_back()  # a chunk held as the last one was not: its slot may be needed
             slot, matched, event = self._slot_for(chunk)
             with pipeline.gate.stepping():
                 if not fresh and not matched:
                     event = pipeline.stage(chunk, slot)
                 pending = pipeline.step(chunk, slot, fresh, event, self.counters)
-                pipeline.commit(chunk, pending)
+                pipeline.commit(chunk, pending, hold=last)
                 pending = None
             self._last_used[slot.index] = position
             self._record_versions(chunk)
@@ -186,7 +192,7 @@ class BackwardStep:
                 return slots[index], True, event
         idle = [s for s in slots if s.index not in self._staged]
         if idle:
-            return min(idle, key=lambda s: self._last_used.get(s.index, -1)), False, None
+            return min(idle, key=self._age), False, None
         index = max(self._staged, key=lambda k: self._position[self._staged[k][0].index])
         dropped, _ = self._staged.pop(index)
         self.pipeline.release_staged(slots[index])
@@ -197,12 +203,17 @@ class BackwardStep:
     def _fill(self) -> None:
         """Start the H2D of the next expected chunks into the slots that hold none, the one used longest ago first
         (its write-back is the furthest along): the link runs up to ``num_slots`` chunks ahead of the backward."""
-        idle = [s for s in self.pipeline.pool.slots if s.index not in self._staged]
-        for slot in sorted(idle, key=lambda s: self._last_used.get(s.index, -1)):
+        held = self.pipeline.held_slot
+        idle = [s for s in self.pipeline.pool.slots if s.index not in self._staged and s is not held]
+        for slot in sorted(idle, key=self._age):
             chunk = self._next_to_stage()
             if chunk is None:
                 return
             self._staged[slot.index] = (chunk, self.pipeline.stage(chunk, slot))
+
+    def _age(self, slot: Slot) -> int:
+        """Orders idle slots: the one whose last write-back was enqueued first comes first."""
+        return self._last_used.get(slot.index, -2)
 
     def _next_to_stage(self) -> Chunk | None:
         """The first expected chunk that is open, not staged, and has bytes to bring in; the scan resumes where the

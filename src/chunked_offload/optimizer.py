@@ -139,13 +139,13 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         self._grad_hooks: list[Any] = []
         # No part holds a strong reference back to the wrapper or the runner: a cycle would keep them (and the
         # arena's page-locked memory) alive until the garbage collector runs, not until the wrapper is dropped.
-        engine = self._engine
+        pipeline = self._pipeline
 
         def before_home_write() -> None:
             target = runner_ref()
             if target is not None:
                 target.flush()  # a deferred chunk must not stage what the caller writes after the step
-            engine.before_home_write()
+            pipeline.before_home_write()
 
         phase = self._phase
         self._binding = StateBinding(before_home_write, self._adapter.is_offloaded, lambda: phase.stepping)
@@ -192,6 +192,9 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
 
     @property  # type: ignore[override]
     def state(self) -> defaultdict[torch.Tensor, Any]:
+        """The inner's state (host views); a write-back held by the backward lands first ([Note: Held write-back])."""
+        if (runner := self.__dict__.get("_runner")) is not None:
+            runner.land_held_write_back()
         return self._inner.state
 
     @state.setter

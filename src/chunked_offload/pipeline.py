@@ -61,6 +61,18 @@ class ChunkPipeline:
     committed write-backs land and frees every slot. The waits between the streams are those of
     [Note: Two-slot staging] (staging.py), made in transfer.py.
 
+    [Note: Held write-back]
+    The GPU's copy engine runs the device-to-host copies of every stream in the order they were enqueued (measured
+    on the H200: a 4-byte ``.item()`` waits 14.4 ms behind a 768 MiB write-back, from any stream, in pieces or not).
+    In the backward the chunk stepped last is the embedding's (its grad is final last), and its write-back would be
+    enqueued just before the next forward's first device-to-host read (a check in HF's Llama forward, a logged
+    loss), which would wait for all of it. So ``commit(hold=True)`` keeps the write-back of the last chunk of a step
+    in the backward in its slot: its params are updated (the forward reads them as usual), the slot keeps its
+    memory through the forward (one slot, inside the window), and the copy is enqueued when the next step starts,
+    beside that step's first H2D, or as soon as anything reads or writes the host copies: ``synchronize()``,
+    ``state_dict()``, ``opt.state``, a write into it, ``load_state_dict()``, ``offload()``, a re-plan
+    (``flush_write_back``). The next step's H2D of that chunk waits for it. Only a host chunk with state is held.
+
     Args:
         engine: the copy streams.
         pool: the staging slots.
@@ -74,6 +86,9 @@ class ChunkPipeline:
         self.layout: Layout | None = None
         self.stepper: ChunkStepper | None = None
         self._prefetched: _Prefetch | None = None
+        self._held: tuple[Chunk, Pending, Event] | None = None  # [Note: Held write-back]; the event: its step
+        self._landing: tuple[int, Event] | None = None  # a chunk whose held write-back this step enqueued, its event
+        self._active = False  # between start() and finish(): the slots belong to a step
 
     def bind(self, layout: Layout, stepper: ChunkStepper) -> None:
         """Step the chunks of a newly installed layout from now on."""
@@ -118,7 +133,9 @@ class ChunkPipeline:
         """
         if not all(fresh):
             self.pool.acquire(self._require()[0].plan.slot_nbytes)
+        self._active = True
         self.engine.begin_step()
+        self.flush_write_back()  # after begin_step: only this chunk's own H2D waits for it (``stage``)
         return {
             pos: self.stage(chunks[pos], self.slot_for(pos)) for pos in range(min(depth, len(chunks))) if not fresh[pos]
         }
@@ -167,6 +184,8 @@ class ChunkPipeline:
         """The H2D (a D2D for resident chunks) of a chunk that has state; see [Note: Two-slot staging]."""
         n = chunk.transfer_nbytes
         buffer = self._buffer(slot)
+        if self._landing is not None and self._landing[0] == chunk.index:
+            self.engine.h2d_after(self._landing[1])  # its home is still being written by its held write-back
         return self.engine.stage_in(slot, [(buffer[:n], self._home_region(chunk, n))] if n else [])
 
     def release_staged(self, slot: Slot) -> None:
@@ -183,24 +202,66 @@ class ChunkPipeline:
             return self._step_fresh(chunk, slot, hooks)
         return self._step_staged(chunk, slot, h2d_event, hooks)
 
-    def commit(self, chunk: Chunk, pending: Pending) -> None:
-        """Enqueue a stepped chunk's write-back: from here on it is committed, and its params count as updated."""
+    def commit(self, chunk: Chunk, pending: Pending, *, hold: bool = False) -> None:
+        """Enqueue a stepped chunk's write-back: from here on it is committed, and its params count as updated.
+
+        ``hold``: the last chunk of a step in the backward; a host chunk with state keeps its write-back in its
+        slot until ``flush_write_back`` ([Note: Held write-back]).
+        """
         pending.committing = True
+        if hold and chunk.home is Home.HOST and pending.pairs and not pending.retain:
+            self.flush_write_back()  # at most one is held
+            stepped = self.engine.step_done()
+            self.gate.mark_ready(chunk.params, stepped)
+            self._held = (chunk, pending, stepped)
+            return
         self.gate.mark_ready(chunk.params, self.engine.write_back(pending.slot, pending.pairs, pending.retain))
 
+    def flush_write_back(self) -> None:
+        """Enqueue the held write-back, if any ([Note: Held write-back]); between steps its slot's memory goes back
+        to the allocator once the copy has read it."""
+        if self._held is None:
+            return
+        chunk, pending, stepped = self._held
+        pending.slot.state = SlotState.READY  # as it was held (a retry after a failed enqueue)
+        self.engine.write_back(pending.slot, pending.pairs, after=stepped)
+        self._held = None
+        if self._active:
+            self._landing = (chunk.index, pending.slot.free_event)
+        else:
+            self.pool.release_slot(pending.slot, self.engine.d2h_stream)
+
+    @property
+    def held_slot(self) -> Slot | None:
+        return None if self._held is None else self._held[1].slot
+
     def finish(self) -> None:
-        """The step is done: fresh tensors and the slots' memory go back once the D2H stream has read them."""
+        """The step is done: fresh tensors and the slots' memory go back once the D2H stream has read them (all but
+        a slot that holds a write-back)."""
         self.engine.end_step(self.pool.slots)
-        self.pool.release(self.engine.d2h_stream)
+        self.pool.release(self.engine.d2h_stream, keep=self.held_slot)
+        self._active, self._landing = False, None
+
+    def synchronize(self) -> None:
+        """Block until every write-back, the held one too, has landed in the homes."""
+        self.flush_write_back()
+        self.engine.synchronize()
+
+    def before_home_write(self) -> None:
+        """The host is about to write into a home: every write-back lands first, and staged bytes go stale."""
+        self.flush_write_back()
+        self.engine.before_home_write()
 
     def drain(self) -> None:
-        """Wait for every copy; the slots return to FREE (their memory stays)."""
+        """Enqueue the held write-back, wait for every copy; the slots return to FREE (their memory stays)."""
+        self.flush_write_back()
         self.engine.drain(self.pool.slots)
 
     def drain_and_release(self) -> None:
         """Wait for every copy, then free the slots (after a failure, or when staged bytes are dropped)."""
         self.drain()
         self.pool.release(None)
+        self._active, self._landing = False, None
 
     def abort(self, pending: Pending | None) -> bool:
         """Roll the failing chunk back (or forward), let committed write-backs land, free every slot.

@@ -245,7 +245,7 @@ class Placement:
     def synchronize(self) -> None:
         """Block until every enqueued write-back into the homes has landed (the homes can be read)."""
         self.gate.synchronize()
-        self.engine.synchronize()
+        self.pipeline.synchronize()
 
     # ------------------------------------------------------------------ masters
     def masters(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

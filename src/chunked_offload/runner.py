@@ -349,6 +349,11 @@ class StepRunner:
         self.flush()
         self.placement.synchronize()
 
+    def land_held_write_back(self) -> None:
+        """Block the host until a write-back held from the last step has landed ([Note: Held write-back])."""
+        if self.pipeline.held_slot is not None:
+            self.pipeline.synchronize()
+
     def wait_for(self, indices: list[int], streams: Sequence[torch.cuda.Stream] = ()) -> None:
         """Before a forward reads these params: enqueue their deferred chunks, and wait for their updates."""
         if self._reads is not None:
@@ -386,6 +391,7 @@ class StepRunner:
         self.join()
         self.phase.require("offload()", Phase.IDLE, Phase.OFFLOADED, Phase.ACCUMULATING)
         self.placement.sync()
+        self.pipeline.flush_write_back()  # its slot's memory goes back too
         return self.placement.offload(non_blocking)
 
     def reload(self, non_blocking: bool) -> MoveHandle:

@@ -39,7 +39,7 @@ class Slot:
     Attributes:
         index: slot number.
         buffer: flat uint8 device memory during a step that stages chunks; None between steps (see
-            [Note: Slot memory between steps]).
+            [Note: Slot memory between steps]), but for a slot that holds a write-back.
         state: lifecycle state.
         free_event: recorded on the D2H stream after the slot's last read; None before first use or on CPU.
         read_marks: ``(end, event)`` pairs of the last write-back, in order: once ``event`` completes, the D2H has
@@ -81,6 +81,8 @@ class StagingPool:
     The slots take their memory from torch's caching allocator at the start of every step that stages a chunk and
     hand it back at the end (``record_stream`` on the D2H stream, then the buffers' storage is emptied), so forward and
     backward can use it between steps. In steady state the allocator hands out cached blocks: no ``cudaMalloc``.
+    One exception: after a step in the backward, the slot of the last chunk keeps its memory until its write-back
+    is enqueued, and the next step reuses it as it is ([Note: Held write-back] in pipeline.py).
     Views of a slot live for one step only: the release empties the buffers' storage (``free_storage``), so a view
     still held after the step (by a kept traceback's frames) does not pin the block. Freshly taken memory may still
     be in use by work queued on the compute stream before it was freed, so the first H2D into it waits for that
@@ -106,34 +108,50 @@ class StagingPool:
         return self.slots[position % len(self.slots)]
 
     def acquire(self, slot_nbytes: int) -> None:
-        """Give every slot ``slot_nbytes`` bytes of device memory; on an allocation failure release them all."""
+        """Give every slot ``slot_nbytes`` bytes of device memory; on an allocation failure release what it took.
+
+        A slot that still has memory of that size keeps it, with its events: it holds a write-back from the last
+        step ([Note: Held write-back] in pipeline.py).
+        """
+        taken = []
         try:
             for slot in self.slots:
+                if slot.buffer is not None and slot.buffer.numel() == slot_nbytes:
+                    continue
+                taken.append(slot)
                 slot.buffer = None
                 slot.buffer = torch.empty(slot_nbytes, dtype=torch.uint8, device=self.device)
                 slot.needs_fence = True
                 slot.free_event = None
                 slot.read_marks = []
         except BaseException:
-            self.release(None)
+            for slot in taken:
+                self.release_slot(slot, None)
             raise
         self.slot_nbytes = slot_nbytes
 
-    def release(self, stream: torch.cuda.Stream | None) -> None:
+    def release(self, stream: torch.cuda.Stream | None, keep: Slot | None = None) -> None:
         """Hand the slots' memory back to the allocator, which reuses it once ``stream``'s work so far is done.
 
-        Every slot returns to FREE. The caller has ordered ``stream`` after every copy that touches the slots.
+        Every slot but ``keep`` returns to FREE. The caller has ordered ``stream`` after every copy that touches
+        the slots.
         """
         for slot in self.slots:
-            if slot.buffer is not None:
-                if stream is not None:
-                    # Without record_stream the allocator could give this block to the next forward while the D2H
-                    # stream still reads the last chunk from it.
-                    slot.buffer.record_stream(stream)
-                free_storage(slot.buffer)
-            slot.buffer = None
-            slot.retained.clear()
-            slot.free_event = None
-            slot.read_marks = []
-            slot.state = SlotState.FREE
-        self.slot_nbytes = 0
+            if slot is not keep:
+                self.release_slot(slot, stream)
+        if keep is None:
+            self.slot_nbytes = 0
+
+    def release_slot(self, slot: Slot, stream: torch.cuda.Stream | None) -> None:
+        """Hand one slot's memory back (see ``release``)."""
+        if slot.buffer is not None:
+            if stream is not None:
+                # Without record_stream the allocator could give this block to the next forward while the D2H
+                # stream still reads the last chunk from it.
+                slot.buffer.record_stream(stream)
+            free_storage(slot.buffer)
+        slot.buffer = None
+        slot.retained.clear()
+        slot.free_event = None
+        slot.read_marks = []
+        slot.state = SlotState.FREE

@@ -205,6 +205,7 @@ class TransferEngine:
         slot: Slot,
         pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
         retain: Sequence[torch.Tensor] = (),
+        after: torch.cuda.Event | None = None,
     ) -> torch.cuda.Event | None:
         """After the step, copy each ``(host, device)`` pair device -> host on the D2H stream.
 
@@ -212,6 +213,8 @@ class TransferEngine:
             slot: the slot the chunk ran in; its ``free_event`` is re-recorded.
             pairs: destination host views and source device tensors.
             retain: device tensors to keep alive until the D2H has read them (fresh state).
+            after: the event of the chunk's step, when it was recorded earlier (a held write-back); by default the
+                copy waits for what the current stream has enqueued so far.
 
         Returns:
             The event that completes when the chunk's step has run on the compute stream (None on the CPU).
@@ -222,7 +225,7 @@ class TransferEngine:
                 for host, dev in pairs:
                     host.copy_(dev)
                 return None
-            step_done = self._record(torch.cuda.current_stream(self.device))
+            step_done = after if after is not None else self._record(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.d2h_stream):
                 # Without this wait the D2H copies the slot before the step's kernels have updated it.
                 self.d2h_stream.wait_event(step_done)
@@ -241,6 +244,15 @@ class TransferEngine:
             self.last_d2h_event = slot.free_event
             slot.retained.extend(retain)
             return step_done
+
+    def step_done(self) -> torch.cuda.Event | None:
+        """An event after what the compute stream has enqueued so far (a chunk's step); None on the CPU."""
+        return self._record(torch.cuda.current_stream(self.device)) if self.uses_streams else None
+
+    def h2d_after(self, event: torch.cuda.Event | None) -> None:
+        """Order the H2D copies enqueued from now on after ``event``."""
+        if self.h2d_stream is not None and event is not None:
+            self.h2d_stream.wait_event(event)
 
     def end_step(self, slots: Sequence[Slot]) -> None:
         """Hand still-retained fresh tensors to the allocator without waiting for their D2H."""
