@@ -153,7 +153,9 @@ def main() -> None:
         fig, ax = plt.subplots(figsize=(7, 4))
         sizes = sorted({t for row in kept.values() for t in row})
         width = 0.8 / len(kept)
-        for k, (variant, row) in enumerate(kept.items()):
+        order = ("sync", "overlap", "backward", "backward-auto", "torchao", "deepspeed")  # ours, then the peers
+        ranked = sorted(kept.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order))
+        for k, (variant, row) in enumerate(ranked):
             xs = [i + (k - (len(kept) - 1) / 2) * width for i, t in enumerate(sizes) if t in row]
             peer = variant in ("deepspeed", "torchao")
             bars = ax.bar(xs, [100 * row[t] for t in sizes if t in row], width, label=variant,
