@@ -269,7 +269,8 @@ def run_variant(
     variant: str, model: torch.nn.Module, initial: dict[str, torch.Tensor], batch: int, args: argparse.Namespace
 ) -> tuple[list[float], int, Any, float, float]:
     """Per-iteration seconds (steady state), the peak memory, the optimizer (to read its plan), the median host
-    seconds of ``step()``, and the last step's own seconds (ours: to its last byte written back; else 0)."""
+    seconds of ``step()``, and the last step's own seconds (ours: to its last byte written back, but for a write-back
+    held for the next step ([Note: Held write-back]); else 0)."""
     device = next(model.parameters()).device
     model.load_state_dict(initial)
     if variant == "deepspeed":
