@@ -96,7 +96,6 @@ class StagingPool:
     def __init__(self, num_slots: int, device: torch.device) -> None:
         self.slots = [Slot(i) for i in range(num_slots)]
         self.device = device
-        self.slot_nbytes = 0
 
     @property
     def allocated(self) -> bool:
@@ -128,7 +127,6 @@ class StagingPool:
             for slot in taken:
                 self.release_slot(slot, None)
             raise
-        self.slot_nbytes = slot_nbytes
 
     def release(self, stream: torch.cuda.Stream | None, keep: Slot | None = None) -> None:
         """Hand the slots' memory back to the allocator, which reuses it once ``stream``'s work so far is done.
@@ -139,8 +137,6 @@ class StagingPool:
         for slot in self.slots:
             if slot is not keep:
                 self.release_slot(slot, stream)
-        if keep is None:
-            self.slot_nbytes = 0
 
     def release_slot(self, slot: Slot, stream: torch.cuda.Stream | None) -> None:
         """Hand one slot's memory back (see ``release``)."""
