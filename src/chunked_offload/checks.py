@@ -41,10 +41,7 @@ def check_options(
     gpu_headroom_mb: Any = None,
 ) -> None:
     """The constructor's keyword options."""
-    if isinstance(chunk_size_mb, bool) or not isinstance(chunk_size_mb, (int, float)):
-        raise TypeError(f"chunk_size_mb must be a number of MiB, got {type(chunk_size_mb).__name__}")
-    if not (math.isfinite(chunk_size_mb) and chunk_size_mb > 0):
-        raise ValueError(f"chunk_size_mb must be a finite number > 0, got {chunk_size_mb}")
+    _check_mib("chunk_size_mb", chunk_size_mb, positive=True)
     if offload_fraction is not None and gpu_budget_mb is not None:
         raise ValueError(
             f"pass offload_fraction ({offload_fraction}) or gpu_budget_mb ({gpu_budget_mb}), not both: the budget "
@@ -59,20 +56,14 @@ def check_options(
         if gpu_budget_mb != "auto":
             raise TypeError(f"gpu_budget_mb must be a number of MiB or 'auto', got {gpu_budget_mb!r}")
     elif gpu_budget_mb is not None:
-        if isinstance(gpu_budget_mb, bool) or not isinstance(gpu_budget_mb, (int, float)):
-            raise TypeError(f"gpu_budget_mb must be a number of MiB or 'auto', got {type(gpu_budget_mb).__name__}")
-        if not (math.isfinite(gpu_budget_mb) and gpu_budget_mb >= 0):
-            raise ValueError(f"gpu_budget_mb must be a finite number >= 0, got {gpu_budget_mb}")
+        _check_mib("gpu_budget_mb", gpu_budget_mb, kind="a number of MiB or 'auto'")
     if gpu_headroom_mb is not None:
         if gpu_budget_mb != "auto":
             raise ValueError(
                 f"gpu_headroom_mb={gpu_headroom_mb} applies to gpu_budget_mb='auto' only (given "
                 f"gpu_budget_mb={gpu_budget_mb!r}): pass gpu_budget_mb='auto', or leave gpu_headroom_mb out"
             )
-        if isinstance(gpu_headroom_mb, bool) or not isinstance(gpu_headroom_mb, (int, float)):
-            raise TypeError(f"gpu_headroom_mb must be a number of MiB, got {type(gpu_headroom_mb).__name__}")
-        if not (math.isfinite(gpu_headroom_mb) and gpu_headroom_mb >= 0):
-            raise ValueError(f"gpu_headroom_mb must be a finite number >= 0, got {gpu_headroom_mb}")
+        _check_mib("gpu_headroom_mb", gpu_headroom_mb)
     if not isinstance(overlap, bool):
         raise TypeError(f"overlap must be True or False, got {overlap!r}")
     if not isinstance(step_in_backward, bool):
@@ -84,6 +75,14 @@ def check_options(
     modes = [m.value for m in MasterMode]
     if master_weights not in modes:
         raise ValueError(f"master_weights must be one of {modes}, got {master_weights!r}")
+
+
+def _check_mib(name: str, value: Any, *, positive: bool = False, kind: str = "a number of MiB") -> None:
+    """A size option in MiB: a real number (not a bool), finite, and > 0 (``positive``) or >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be {kind}, got {type(value).__name__}")
+    if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+        raise ValueError(f"{name} must be a finite number {'>' if positive else '>='} 0, got {value}")
 
 
 def check_inner(inner: object, wrapper: type) -> None:
