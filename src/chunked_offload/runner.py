@@ -58,8 +58,8 @@ class StepRunner:
     inner steps each param on its own, as in the backward's order of ``step_in_backward``), so this is bitwise.
 
     [Note: Backward order]
-    A step in the backward stages one chunk ahead of the one it steps, so it must guess which chunk the backward
-    finishes next; a wrong guess brings that chunk in for nothing and queues the right one behind it. The first
+    A step in the backward stages chunks ahead of the one it steps, so it must guess which chunks the backward
+    finishes next; a wrong guess brings a chunk in for nothing and queues the right one behind it. The first
     backward is expected to finish chunks last to first (grads come in about reverse parameter order). That is off
     wherever a chunk boundary cuts a block whose params are not declared in the order the backward reaches them: an
     HF decoder layer declares its norms after its MLP but gets their grads last, so the chunk holding them finishes
