@@ -128,6 +128,21 @@ def test_a_large_budget_still_keeps_the_pipeline_deep() -> None:
     assert len(small.chunks) == 2 and small.slot_nbytes == 64 * mib
 
 
+def test_resident_chunks_pack_up_to_the_largest_bundle_without_growing_the_window() -> None:
+    mib = 2**20
+    # A 1 B Llama's shape: a 750 MiB embedding and 32 MiB bundles. Fully resident, the offloaded chunks' budget is
+    # the 64 MiB minimum; resident chunks do not cross the link, so they pack to the slot the embedding takes anyway.
+    bundles = [_bundle(0, 750 * mib)] + [_bundle(i, 32 * mib) for i in range(1, 101)]
+    offloaded = plan_chunks(bundles, chunk_bytes=1024 * mib, num_slots=3)
+    resident = plan_chunks(bundles, chunk_bytes=1024 * mib, num_slots=3, resident_budget=2**40)
+    assert not resident.chunks and [len(c.params) for c in resident.resident_chunks] == [1, 23, 23, 23, 23, 8]
+    assert resident.slot_nbytes == offloaded.slot_nbytes == 750 * mib
+    assert len(offloaded.chunks) == 35  # offloaded: 3950 MiB / 32 = 123 MiB chunks keep the pipeline deep
+    # The requested chunk size still bounds them.
+    capped = plan_chunks(bundles, chunk_bytes=100 * mib, num_slots=3, offload_fraction=0.0)
+    assert [len(c.params) for c in capped.resident_chunks[:3]] == [1, 3, 3] and capped.slot_nbytes == 750 * mib
+
+
 def test_offload_fraction_keeps_the_tail_resident() -> None:
     plan = plan_chunks([_bundle(i, 1024) for i in range(10)], chunk_bytes=4096, offload_fraction=0.5)
     assert [i for c in plan.chunks for i in c.params] == [0, 1, 2, 3, 4]

@@ -36,6 +36,14 @@ __all__ = [
 PIPELINE_DEPTH = 32
 MIN_AUTO_CHUNK_BYTES = 64 * 2**20
 
+# [Note: Resident chunk size]
+# Resident chunks never cross the link, so the pipeline depth above does not apply to them, while every chunk costs
+# the host a fixed amount per step (its copies in and out, its events, its inner-step call: about 0.7 ms on the
+# H200). Packed by the offloaded chunks' budget, a fully resident plan (``gpu_budget_mb="auto"`` on a model that
+# fits) got the 64 MiB minimum: one chunk per param, 130 chunks for a 1 B Llama, whose host time left the GPU idle
+# in the backward. They are packed up to the largest bundle instead (at most ``chunk_bytes``): the slots hold that
+# bundle already, so the window does not grow.
+
 # Every tensor starts on a 256-byte boundary inside a chunk: enough for any dtype view and for the
 # 16-byte vector loads that fused kernels (torch, Transformer Engine) issue on raw pointers.
 ALIGNMENT = 256
@@ -354,13 +362,15 @@ def _plan_split(
     """Pack the offloaded and the resident bundles (one of them a prefix of ``bundles``); index chunks in order."""
     offloaded_nbytes = sum(b.packing_nbytes for b in offloaded)
     budget_bytes = min(chunk_bytes, max(MIN_AUTO_CHUNK_BYTES, -(-offloaded_nbytes // PIPELINE_DEPTH)))
+    largest = max((b.packing_nbytes for b in bundles), default=0)
+    resident_bytes = max(budget_bytes, min(chunk_bytes, largest))  # [Note: Resident chunk size]
     resident_first = bool(resident) and (not offloaded or resident[0].index < offloaded[0].index)
     if resident_first:
-        resident_chunks = _pack(resident, budget_bytes, Home.DEVICE, first_index=0)
+        resident_chunks = _pack(resident, resident_bytes, Home.DEVICE, first_index=0)
         chunks = _pack(offloaded, budget_bytes, Home.HOST, first_index=len(resident_chunks))
     else:
         chunks = _pack(offloaded, budget_bytes, Home.HOST, first_index=0)
-        resident_chunks = _pack(resident, budget_bytes, Home.DEVICE, first_index=len(chunks))
+        resident_chunks = _pack(resident, resident_bytes, Home.DEVICE, first_index=len(chunks))
     return ChunkPlan(tuple(chunks), tuple(resident_chunks), tuple(bundles), chunk_bytes, num_slots)
 
 
