@@ -92,7 +92,7 @@ def test_step_window_is_bounded(mode: str) -> None:
         assert peak <= bound, f"step {step}: peak {peak / MiB:.2f} MiB > bound {bound / MiB:.2f} MiB"
         # Between steps only the staging slots (if allocated) and fused Adam's 0-dim step counters stay.
         resident = torch.cuda.memory_allocated() - base
-        assert resident <= opt._pool.slot_nbytes * opt.num_slots + 1 * MiB
+        assert resident <= opt.plan.slot_nbytes * opt.num_slots + 1 * MiB
     opt.offload()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() - base <= 1 * MiB  # no state bytes left on the GPU
