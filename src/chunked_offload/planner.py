@@ -42,7 +42,8 @@ MIN_AUTO_CHUNK_BYTES = 64 * 2**20
 # H200). Packed by the offloaded chunks' budget, a fully resident plan (``gpu_budget_mb="auto"`` on a model that
 # fits) got the 64 MiB minimum: one chunk per param, 130 chunks for a 1 B Llama, whose host time left the GPU idle
 # in the backward. They are packed up to the largest bundle instead (at most ``chunk_bytes``): the slots hold that
-# bundle already, so the window does not grow.
+# bundle already, so they do not grow; the step's workspace ([Note: Window bound]) can, by the state a larger chunk
+# creates in its first step, and a budgeted plan counts it (1 B Llama: 18 chunks, the same window).
 
 # Every tensor starts on a 256-byte boundary inside a chunk: enough for any dtype view and for the
 # 16-byte vector loads that fused kernels (torch, Transformer Engine) issue on raw pointers.
