@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .notices import Notices
 from .placement import Placement
 
-__all__ = ["DEFAULT_HEADROOM_MB", "AutoBudget", "MemoryReading", "budget_options", "read_device_memory"]
+__all__ = ["DEFAULT_HEADROOM_MB", "AutoBudget", "MemoryReading", "auto_budget", "budget_options", "read_device_memory"]
 
 logger = logging.getLogger(__name__)
 
@@ -151,3 +152,16 @@ class AutoBudget:
             reading.peak / _MIB, self.usage / _MIB, reading.capacity / _MIB, self.headroom / _MIB, budget / _MIB,
             before / _MIB, after.resident_nbytes / _MIB, 100 * after.resident_share, after.window_bound_nbytes / _MIB,
         )  # fmt: skip
+
+
+def auto_budget(placement: Placement, headroom_mb: float | None, notices: Notices) -> AutoBudget | None:
+    """The budget of ``gpu_budget_mb="auto"`` (None without it); without a GPU it has nothing to fill, and says so."""
+    if headroom_mb is None:
+        return None
+    if placement.device.type != "cuda":
+        notices.warn(
+            "auto-cpu",
+            f"gpu_budget_mb='auto' does nothing with params on {placement.device}: it fills free GPU memory with "
+            "resident state. Leave it out on the CPU",
+        )
+    return AutoBudget(placement, headroom_mb)

@@ -10,7 +10,7 @@ import torch
 
 from .planner import TensorSpec, align
 
-__all__ = ["is_dtensor", "like_param", "local", "planning_weight", "same_tensor", "show"]
+__all__ = ["is_dtensor", "like_param", "local", "planning_weight", "rewrap", "same_tensor", "show"]
 
 try:  # DTensor params (FSDP2): the wrapper offloads each rank's local shard
     from torch.distributed.tensor import DTensor, Shard
@@ -41,6 +41,14 @@ def like_param(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     p: Any = param
     spec = DTensorSpec(p.device_mesh, tuple(p.placements), tensor_meta=TensorMeta(p.shape, p.stride(), t.dtype))
     return DTensor(t, spec, requires_grad=False)
+
+
+def rewrap(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``t`` (a local tensor, a copy of ``like``'s) as ``like`` is: a DTensor with ``like``'s spec, or ``t`` itself."""
+    if not is_dtensor(like):
+        return t
+    d: Any = like
+    return DTensor(t, d._spec, requires_grad=False)
 
 
 def show(param: torch.Tensor, data: torch.Tensor, parts: Any = None) -> Any:

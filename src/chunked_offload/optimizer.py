@@ -13,11 +13,10 @@ import torch
 
 from . import state_dict as checkpoint
 from .adapters import Adapter, resolve_adapter
-from .budget import AutoBudget, budget_options
+from .budget import auto_budget, budget_options
 from .checks import check_inner, check_master_mode, check_options, check_sharding, check_wrappable, common_device
 from .context import StepContext, scaler_tensors
-from .hooks import AttachHandle, attach, opaque, register_grad_hooks, weak_callback
-from .layout import Layout
+from .hooks import AttachHandle, HookSet, attach, opaque, weak_callback
 from .masters import MasterMode
 from .notices import Notices
 from .overlap import StepGate
@@ -136,10 +135,10 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         self._pool = StagingPool(num_slots, self.device)
         self._gate = StepGate(self.device, overlap or step_in_backward)
         self._pipeline = ChunkPipeline(self._engine, self._pool, self._gate)
-        self._grad_hooks: list[Any] = []
+        self._hooks = HookSet(step_in_backward)
         # No part holds a strong reference back to the wrapper or the runner: a cycle would keep them (and the
         # arena's page-locked memory) alive until the garbage collector runs, not until the wrapper is dropped.
-        pipeline = self._pipeline
+        pipeline, phase = self._pipeline, self._phase
 
         def before_home_write() -> None:
             target = runner_ref()
@@ -147,26 +146,26 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
                 target.flush()  # a deferred chunk must not stage what the caller writes after the step
             pipeline.before_home_write()
 
-        phase = self._phase
         self._binding = StateBinding(before_home_write, self._adapter.is_offloaded, lambda: phase.stepping)
         options = PlanOptions(self.chunk_size_mb, num_slots, self.offload_fraction, budget_mb)  # "auto": offloaded
         self._placement = Placement(
             inner, self._adapter, mode, options,
             device=self.device, pin=self.device.type == "cuda" if pin_memory is None else pin_memory,
             binding=self._binding, pipeline=self._pipeline, gate=self._gate, phase=self._phase,
-            on_install=weak_callback(self._on_install),
+            on_install=weak_callback(self._hooks.on_install),  # grad hooks on the params of each new layout
         )  # fmt: skip
         self._context = StepContext(inner, self._adapter, self._placement, self._gate, self._engine)
         self._schedule = StepSchedule(self._pipeline, self._phase, self._adapter, self.device)
         self._runner = StepRunner(
             inner, self._adapter, self._placement, self._context, self._schedule, self._phase, self._notices,
             overlap=overlap, step_in_backward=step_in_backward, post_hooks=self._optimizer_step_post_hooks,
-            budget=None if self.gpu_headroom_mb is None else AutoBudget(self._placement, self.gpu_headroom_mb),
+            budget=auto_budget(self._placement, self.gpu_headroom_mb, self._notices),
         )  # fmt: skip
-        runner_ref = weakref.ref(self._runner)
+        runner_ref = self._hooks.runtime = weakref.ref(self._runner)
         # A wrapper dropped with deferred chunks still updates its params: they are enqueued, and land, before the
-        # parts go (the finalizer holds the runner, not the wrapper).
-        weakref.finalize(self, self._runner.synchronize)
+        # parts go; then its hooks come off the model and the params (the finalizer holds neither the wrapper nor
+        # anything that holds it, so dropping the last reference runs it).
+        weakref.finalize(self, self._hooks.release, self._runner)
         original_state = inner.state
         try:
             self._placement.adopt_state()
@@ -218,7 +217,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
     @property
     def phase(self) -> Phase:
         """What the wrapper is doing now ([Note: Phases] in docs/design.md)."""
-        return self._phase.phase
+        return self._runner.current_phase()
 
     @property
     def master_weights(self) -> str:
@@ -250,12 +249,6 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
     def __copy__(self) -> None:
         raise TypeError("a shallow copy of a wrapper would share its host memory and streams; use copy.deepcopy(opt)")
 
-    def _on_install(self, layout: Layout) -> None:  # grad hooks on the params of each new layout
-        if self.step_in_backward:
-            for handle in self._grad_hooks:
-                handle.remove()
-            self._grad_hooks = register_grad_hooks([info.param for info in layout.infos], self._runner)
-
     # ------------------------------------------------------------------ stepping
     @opaque  # [Note: Opaque to dynamo]: torch.compile(opt.step) runs this step eagerly
     @torch.no_grad()
@@ -269,6 +262,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
 
     def replan(self) -> None:
         """Re-plan from the current params and state now (``step()`` does it when needed; this pays it early)."""
+        self._runner.between_steps("opt.replan()")
         self._runner.join()
         self._placement.sync(force=True)
 
@@ -314,7 +308,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
                 "opt.attach(model) does nothing without overlap=True or step_in_backward=True: every step has "
                 "finished when step() returns. Pass overlap=True, or leave the call out",
             )
-        return attach(model, self._runner, blocks=blocks)
+        return self._hooks.add(attach(model, self._runner, blocks=blocks))
 
     def wait_step(self) -> None:
         """Order the current CUDA stream after every update of the last step (without blocking the host).
@@ -330,12 +324,12 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ the rest of the Optimizer API
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if not set_to_none:
-            self._runner.join()  # zeroing in place on the caller's stream must wait until the step has read them
+        self._runner.before_zero_grad(set_to_none)
         self._inner.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the inner optimizer and extend the chunk plan (the host copies move once)."""
+        self._runner.between_steps("opt.add_param_group()")
         self._runner.join()
         self._inner.add_param_group(param_group)
         try:
@@ -353,6 +347,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
                 default the tensors are views of the live host copies, valid until the next ``step()``, as with
                 a plain optimizer.
         """
+        self._runner.between_steps("opt.state_dict()")
         self._runner.join()
         self._placement.sync(strict=False)
         return checkpoint.save(self, self._placement, snapshot=snapshot)
@@ -362,6 +357,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
 
         Nothing is modified if the checkpoint does not fit, or if its layout cannot be allocated.
         """
+        self._runner.between_steps("opt.load_state_dict()")
         self._runner.join()
         self._placement.sync()
         checkpoint.load(self, self._placement, state_dict)
@@ -395,6 +391,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         Masters of offloaded params are host tensors. A master is read as the next step will use it
         ([Note: Edited params]); nothing is materialised on the GPU. Treat them as read-only.
         """
+        self._runner.between_steps("opt.master_params()")
         self._runner.synchronize()
         self._placement.sync()
         yield from self._placement.masters()

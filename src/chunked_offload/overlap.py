@@ -50,7 +50,12 @@ class StepGate:
         # was last updated by an earlier one.
         self.ready: dict[int, torch.cuda.Event] = {}
         self.end: torch.cuda.Event | None = None  # after the last chunk's update, on the step stream
-        self.attached = 0  # models whose forward waits for their params (attach handles not removed)
+        self.gated: dict[int, list[torch.Tensor]] = {}  # attach handle -> the params its forward hooks wait for
+
+    @property
+    def attached(self) -> int:
+        """Models whose forward waits for their params (attach handles not removed)."""
+        return len(self.gated)
 
     @contextmanager
     def stepping(self, wait_caller: bool = True) -> Iterator[None]:

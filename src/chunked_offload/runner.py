@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -10,13 +11,16 @@ from typing import Any
 import torch
 import torch.optim.optimizer as torch_optimizer
 
+from . import backward_watch as refusals
 from .adapters import Adapter
+from .backward_watch import ObservedBackward
 from .budget import AutoBudget
 from .checks import check_grads
 from .context import StepContext, skipped_by_scaler
 from .dtensor import local
-from .in_backward import BackwardStep
-from .notices import Notices
+from .in_backward import BackwardOrder, BackwardStep
+from .inputs import GradRecord, GroupSnapshot
+from .notices import Notices, warn
 from .overlap import StepGate
 from .phase import Phase, PhaseMachine
 from .pipeline import ChunkPipeline
@@ -42,36 +46,12 @@ class StepRunner:
       they run on the gate's stream; with an attached model only the first ``num_slots`` are enqueued and the rest
       are *deferred* to the forward hooks that read their params (phase DEFERRED). Without an attached model the
       caller's stream waits for the whole step.
-    - With ``step_in_backward=True`` the first final grad of a backward opens the step, and the event-driven driver
-      (``BackwardStep``) steps each chunk once its grads are final (phase IN_BACKWARD); ``step()`` then only checks
-      that nothing changed the grads afterwards.
+    - With ``step_in_backward=True`` the first backward observes the loop and its ``step()`` is a plain one ([Note:
+      Observed backward]). In the backward passes after it the first final grad opens the step, and the event-driven
+      driver (``BackwardStep``) steps each chunk once its grads are final (phase IN_BACKWARD); ``step()`` then
+      compares the grads and groups with what the chunks read ([Note: Inputs of a step]).
     - Every call that reads or writes what a step touches first enqueues what is deferred (``flush``) and orders
       the caller's stream after the step (``join``); ``synchronize`` waits on the host.
-
-    [Note: Read order]
-    An overlapped step is only as early as the chunk the next forward waits for first. That is not always the first
-    chunk: FSDP2's root unit all-gathers the embedding, the final norm and the LM head before the first layer runs, so
-    its forward waited for the last chunk, that is for the whole step (measured: 1.11x of the floor exposed on the
-    H200, more than the synchronous step). So the pre-hooks of an attached model record the order in which the
-    forward after a step first asks for each param, and the next overlapped steps run their chunks in that order
-    (params never asked for last, in parameter order). Each chunk's update is the same whatever the order (the
-    inner steps each param on its own, as in the backward's order of ``step_in_backward``), so this is bitwise.
-
-    [Note: Backward order]
-    A step in the backward stages chunks ahead of the one it steps, so it must guess which chunks the backward
-    finishes next; a wrong guess brings a chunk in for nothing and queues the right one behind it. The first
-    backward is expected to finish chunks last to first (grads come in about reverse parameter order). That is off
-    wherever a chunk boundary cuts a block whose params are not declared in the order the backward reaches them: an
-    HF decoder layer declares its norms after its MLP but gets their grads last, so the chunk holding them finishes
-    after the one before it (measured on the H200: 16.6 GB H2D per step for 11.4 GB of state, and the next forward
-    waiting 25 ms for the last chunk). So each backward records the order in which its params' grads became final,
-    and the next expects each chunk when its last param was final in that order (chunks with a param that got no
-    final grad last, as before; a chunk none of whose params got one is not staged ahead at all). Chunks step in
-    whatever order their grads are final either way: the order changes what is staged ahead, never a result.
-
-    The link runs up to ``num_slots`` chunks ahead: each slot that holds no staged chunk takes the next expected one
-    at once, behind the write-back of the chunk that last used it, instead of one chunk being staged after each
-    step (measured: the H2D link idle about 40% of the backward, and the last chunk brought in after the backward).
 
     Args:
         inner: the wrapped optimizer.
@@ -116,11 +96,11 @@ class StepRunner:
         self.opened = 0  # steps opened so far
         self.last_step: StepRecord | None = None
         self.backward: BackwardStep | None = None  # while IN_BACKWARD
-        # [Note: Read order]: param index -> rank of its first read in the forward being recorded, and in the last
-        # whole forward of an attached model.
-        self._reads: dict[int, int] | None = None
-        self.read_order: dict[int, int] = {}
-        self.grad_order: dict[int, int] = {}  # [Note: Backward order]: param index -> rank, in the last backward
+        self.order = BackwardOrder()  # [Note: Backward order]
+        self.observing = step_in_backward  # [Note: Observed backward]: the next backward observes, steps nothing
+        self.observation: ObservedBackward | None = None
+        self._groups_after: GroupSnapshot | None = None  # the groups as the last in-backward step left them
+        self._suspended = 0  # inside step(closure): backward passes do not step
 
     @property
     def pipeline(self) -> ChunkPipeline:
@@ -133,23 +113,30 @@ class StepRunner:
     # ------------------------------------------------------------------ step()
     def step(self, closure: Callable[[], Any] | None, scaler: Mapping[str, torch.Tensor]) -> Any:
         """One outer step ([Note: Step modes]); ``scaler`` holds GradScaler's tensors set on the wrapper."""
+        self._reap()
         self.phase.require("step()", Phase.IDLE, Phase.OFFLOADED, Phase.DEFERRED, Phase.IN_BACKWARD, Phase.ACCUMULATING)
         args = (closure,) if closure is not None else ()
         args, kwargs = self.context.run_inner_hooks("_optimizer_step_pre_hooks", args, {})
         closure = args[0] if args else kwargs.get("closure")
         if self.phase.resting is Phase.IN_BACKWARD:  # inside accumulating() too
             if closure is not None:
-                raise ValueError("step(closure) with step_in_backward=True: the backward pass has already stepped")
+                raise ValueError(
+                    "step(closure) after a backward pass that stepped (step_in_backward=True): the update has run "
+                    "already. Call step() without a closure after that backward, or run the closure's backward only"
+                )
             self._finish_in_backward(scaler)
             self.context.run_inner_hooks("_optimizer_step_post_hooks", args, kwargs)
             return None
         loss = None
         if closure is not None:
-            with torch.enable_grad():
+            with torch.enable_grad(), self._suspend():  # the closure's backward does not step: this step() does
                 loss = closure()
+        observed = self._check_observation(scaler)
         chunks = self.chunks_to_step()
         skip_staged = skipped_by_scaler(scaler)
         defer = self._may_defer(skip_staged, scaler)
+        detached = self.overlap and self.gate.attached > 0  # the caller's stream goes on without the whole step
+        eager = sum(1 for c in chunks if self.schedule.eager(c)) if detached else 0
         self.gate.keep_alive(local(g) for c in chunks for _, g in self.pipeline.grads(c))
         resting = self.phase.phase
         self.phase.to(Phase.STEPPING)
@@ -157,7 +144,7 @@ class StepRunner:
             step = self.context.open(scaler)
             self.opened += 1
             try:
-                self.schedule.run(chunks, step, skip_staged=skip_staged, defer=defer)
+                self.schedule.run(chunks, step, skip_staged=skip_staged, defer=defer, own=detached, eager=eager)
             finally:
                 step.close()
         except BaseException:
@@ -170,16 +157,20 @@ class StepRunner:
         if resting is Phase.ACCUMULATING:  # a plain step inside the block: nothing is left deferred past it
             self.flush()
             self.phase.to(Phase.ACCUMULATING)
+        self.observing = self.observing and not observed  # after an observed step, the next backward steps
         record = self.last_step = step.record
         if self.overlap:
-            self._reads = {}  # the next forward's reads order the next step's chunks
+            self.schedule.reads.start()  # the next forward's reads order the next step's chunks
         if self.overlap and not self.gate.attached:
             self.notices.warn(
                 "overlap-unattached",
                 "overlap=True without an attached model: step() makes the caller's stream wait for the whole step, "
                 "so nothing overlaps it. Call opt.attach(model) so that each module's forward waits for its own params",
             )
-            self.gate.join()  # no module waits for its own params: the next forward must wait for the whole step
+        if not detached:
+            self.gate.join()  # the caller's next work (a forward, grads zeroed in place) waits for the whole step
+        elif eager:  # no attached forward waits for the params of these chunks: the caller's stream does, now
+            self.gate.wait_params([i for c in chunks[:eager] for i in c.params])
         logger.debug(
             "step: %d of %d chunks, %.1f MiB H2D, %.1f MiB D2H, %.1f MiB D2D, window %.1f MiB",
             record.chunks, len(self.placement.plan.all_chunks), record.h2d / _MIB, record.d2h / _MIB,
@@ -194,14 +185,15 @@ class StepRunner:
         self._prepare()
         check_grads(self.placement.infos, self.adapter)
         chunks = [c for c in self.placement.plan.all_chunks if self.pipeline.grads(c)]
-        if self.overlap and self.gate.attached and self.read_order:
-            unread = len(self.read_order)
-            chunks.sort(key=lambda c: min(self.read_order.get(i, unread) for i in c.params))
+        if self.overlap and self.gate.attached:
+            self.schedule.reads.sort(chunks)  # [Note: Read order]
+            chunks.sort(key=lambda c: not self.schedule.eager(c))  # stable: the eager chunks first, in that order
         return chunks
 
     def _prepare(self) -> None:
         """Before a step opens: deferred chunks go first, the layout is brought up to date, resident state is back."""
         self.flush()
+        self.schedule.watch.settle()
         self.context.prepare()
         if self.phase.resting is Phase.OFFLOADED:
             self.placement.reload(non_blocking=False)
@@ -215,12 +207,10 @@ class StepRunner:
             and self.gate.attached > 0
             and not skip_staged
             and not scaler
-            and not self._has_post_hooks()  # a post-hook expects the step done (an EMA of the weights)
+            # A post-hook expects the step done (an EMA of the weights).
+            and not (self.post_hooks or getattr(self.inner, "_optimizer_step_post_hooks", {}))
+            and not torch_optimizer._global_optimizer_post_hooks
         )
-
-    def _has_post_hooks(self) -> bool:
-        inner_hooks = getattr(self.inner, "_optimizer_step_post_hooks", {})
-        return bool(self.post_hooks or inner_hooks or torch_optimizer._global_optimizer_post_hooks)
 
     def prefetch(self) -> None:
         if self.step_in_backward:
@@ -230,19 +220,24 @@ class StepRunner:
     # ------------------------------------------------------------------ the step in the backward pass
     def grad_final(self, param: torch.Tensor) -> None:
         """A param's grad is final in this backward pass ([Note: Step in backward])."""
-        if self.phase.phase is Phase.ACCUMULATING:
+        self._reap()
+        if self._suspended or self.phase.phase is Phase.ACCUMULATING:
             return
         index = self.placement.binding.index_of(param)
         if index is None:
+            return
+        if self.observing:
+            if self.observation is None:
+                self.flush()
+                indices = [i for c in self.placement.plan.all_chunks for i in c.params]
+                self.observation = ObservedBackward(self.pipeline.grad_of, indices, self.inner.param_groups)
+            self.observation.grad_ready(index)
             return
         backward = self.backward
         if backward is None:
             backward = self._open_backward()
         elif backward.closed:
-            raise RuntimeError(
-                "a second backward pass would step again before step() was called for the first; call step() after "
-                "each backward, or run the backward passes that must not step inside opt.accumulating()"
-            )
+            raise RuntimeError(refusals.SECOND_BACKWARD)
         backward.close_with_backward()
         backward.grad_ready(index)
 
@@ -259,55 +254,87 @@ class StepRunner:
             self.phase.to(Phase.IDLE)
             raise
         self.opened += 1
+        ref = weakref.ref(self)  # the step holds this callback: no cycle back to the runner
 
-        def on_close(aborted: bool) -> None:
+        def on_close(backward: BackwardStep, aborted: bool) -> None:
             step.close()
-            if aborted:  # the exception leaves the backward; a later step() steps what has grads, as plain torch
-                self.backward = None
-                self.phase.to(Phase.IDLE)
-            else:
-                self.grad_order = backward.arrivals
+            runner = ref()
+            if runner is not None:
+                runner._backward_closed(backward, aborted)
 
-        expected, not_ahead = self._backward_order()
-        backward = self.backward = BackwardStep(self.pipeline, expected, step, on_close, not_ahead)
+        expected, not_ahead = self.order.expected(self.placement.plan.all_chunks)
+        backward = BackwardStep(self.pipeline, expected, step, on_close, not_ahead, self.order.accumulations)
+        self.backward = backward
         self.last_step = step.record
         backward.begin()
         return backward
 
-    def _backward_order(self) -> tuple[list[Chunk], frozenset[int]]:
-        """The chunks in the order the backward is expected to finish them, and those not to stage ahead
-        ([Note: Backward order])."""
-        chunks = list(reversed(self.placement.plan.all_chunks))
-        order = self.grad_order
-        if not order:
-            return chunks, frozenset()
-        unseen = len(order)
-        chunks.sort(key=lambda c: max(order.get(i, unseen) for i in c.params))
-        return chunks, frozenset(c.index for c in chunks if not any(i in order for i in c.params))
+    def _backward_closed(self, backward: BackwardStep, aborted: bool) -> None:
+        if aborted:  # the exception leaves the backward; a later step() steps what has grads, as plain torch
+            self.backward = None
+            self.phase.rest(Phase.IDLE)
+            return
+        self.order.learn(backward.arrivals, backward.counts)
+        self._groups_after = GroupSnapshot(self.inner.param_groups)
+        # The caller's code after backward() (clipping, zeroing) must not write grads the step stream still reads.
+        self.gate.join()
+
+    def _reap(self) -> None:
+        """Close a step whose backward pass raised after some chunks had stepped ([Note: Watching the backward])."""
+        observation = self.observation
+        if observation is not None and observation.watch.aborted:
+            self.observation = None  # a plain step() of what has grads follows, as after any failed backward
+        backward = self.backward
+        if backward is None or backward.closed or not backward.watch.aborted:
+            return
+        stepped = backward.stepped
+        backward.abort(None)
+        warn(refusals.aborted_note(stepped, len(self.placement.plan.all_chunks)))
+
+    @contextmanager
+    def _suspend(self) -> Iterator[None]:
+        self._suspended += 1
+        try:
+            yield
+        finally:
+            self._suspended -= 1
+
+    def _check_observation(self, scaler: Mapping[str, torch.Tensor]) -> bool:
+        """Before a plain step: refuse, with nothing updated, a loop that cannot step in the backward ([Note:
+        Observed backward]); whether an observation was checked."""
+        observation, self.observation = self.observation, None
+        if observation is None or not observation.complete:
+            return False
+        message = observation.refusal(bool(scaler)) or self._changes(observation.grads, observation.groups, False)
+        if message:
+            raise RuntimeError(message)
+        self.order.learn(observation.arrivals, observation.counts)
+        return True
 
     def _finish_in_backward(self, scaler: Mapping[str, torch.Tensor]) -> None:
-        """``step()`` after a backward that stepped: refuse what changed the grads after their update."""
+        """``step()`` after a backward that stepped: refuse what changed the grads or the groups after the update."""
         backward = self.backward
         if backward is not None and not backward.closed:
             backward.close()  # its backward was nested in one that never reached a hook (checkpointing)
         self.backward = None
         self.phase.rest(Phase.IDLE)
-        if scaler:
-            raise RuntimeError(
-                "GradScaler with step_in_backward=True: the backward pass stepped with the scaled grads before the "
-                "scaler could unscale them or skip the step. Use step_in_backward=False with loss scaling"
-            )
-        versions = backward.versions if backward is not None else {}
-        changed = [i for i, v in versions.items() if (g := self.pipeline.grad_of(i)) is not None and g._version != v]
-        if changed:
-            raise RuntimeError(
-                f"the grads of {len(changed)} params (first: param {changed[0]}) were changed after the backward pass "
-                "had stepped with them (gradient clipping or unscaling, or a second backward before step()?); with "
-                "step_in_backward=True the update uses the grads as the backward leaves them. Use "
-                "step_in_backward=False to clip"
-            )
+        message = refusals.SCALED_IN_BACKWARD if scaler else None
+        if message is None and backward is not None:
+            message = self._changes(backward.grads, self._groups_after, True)
+        if message:
+            self.observing = True  # the next backward observes the loop again
+            raise RuntimeError(message)
         if not self.gate.attached:
             self.gate.join()  # no module waits for its own params: the next forward waits for the whole step
+
+    def _changes(self, grads: GradRecord, groups: GroupSnapshot | None, stepped: bool) -> str | None:
+        """Why a step whose grads or group values changed since the backward is refused, or None ([Note: Inputs of a
+        step])."""
+        indices = [i for c in self.placement.plan.all_chunks for i in c.params]
+        with self.gate.stepping():  # after the caller's work and after the step stream's own records
+            changed = grads.changed(self.pipeline.grad_of, indices)
+        written = groups.changes(self.inner.param_groups) if groups is not None else []
+        return refusals.changes_refusal(changed, written, stepped=stepped)
 
     @contextmanager
     def accumulating(self) -> Iterator[None]:
@@ -335,7 +362,8 @@ class StepRunner:
 
     # ------------------------------------------------------------------ waiting for the step
     def flush(self) -> None:
-        """Enqueue every deferred chunk of the last step."""
+        """Enqueue every deferred chunk of the last step (and close a step whose backward raised)."""
+        self._reap()
         if self.phase.phase is Phase.DEFERRED:
             self.schedule.advance(None)
 
@@ -343,6 +371,25 @@ class StepRunner:
         """Order the caller's stream after the whole last step."""
         self.flush()
         self.gate.join()
+        self.schedule.watch.settle()  # the caller's stream is ordered after every update now
+
+    def current_phase(self) -> Phase:
+        self._reap()  # a backward that raised has closed its step
+        return self.phase.phase
+
+    def before_zero_grad(self, set_to_none: bool) -> None:
+        """Refused after a backward that stepped; an observed backward's grads are gone; zeroing in place joins the
+        step, so that the grads' memory is reused after it (the step reads copies: [Note: Inputs of a step])."""
+        self.between_steps("opt.zero_grad()")
+        self.observation = None
+        if not set_to_none:
+            self.join()
+
+    def between_steps(self, what: str) -> None:
+        """Refuse ``what`` between a backward pass that stepped and ``step()``: it would act after the update."""
+        self._reap()
+        if self.phase.resting is Phase.IN_BACKWARD:
+            raise RuntimeError(refusals.between_steps(what))
 
     def synchronize(self) -> None:
         """Block the host until the last step's updates and write-backs have landed."""
@@ -356,26 +403,28 @@ class StepRunner:
 
     def wait_for(self, indices: list[int], streams: Sequence[torch.cuda.Stream] = ()) -> None:
         """Before a forward reads these params: enqueue their deferred chunks, and wait for their updates."""
-        if self._reads is not None:
-            for i in indices:
-                self._reads.setdefault(i, len(self._reads))
+        self.schedule.reads.record(indices)
         if self.phase.phase is Phase.DEFERRED:
             self.schedule.advance(indices)
+        self.schedule.watch.check(indices)
         self.gate.wait_params(indices, streams)
+        self.schedule.watch.forget(indices)  # the forward reads them after their updates: writes may follow
 
-    def index_of(self, param: torch.Tensor) -> int | None:
+    def index_of(self, param: torch.Tensor) -> int | None:  # the hooks' lookup
         return self.placement.binding.index_of(param)
 
     def forward_done(self) -> None:
         """An attached model's forward returned: the caller's stream goes on after the step; keep its read order."""
         self.join()
-        if self._reads:
-            self.read_order, self._reads = self._reads, None
+        self.schedule.reads.forward_done()
 
-    def attached(self, delta: int) -> None:
-        self.gate.attached += delta
-        if delta > 0 and self.overlap:
-            self._reads = {}
+    def attached(self, handle: int, params: list[torch.Tensor] | None) -> None:
+        """Attach handle ``handle`` now gates ``params`` (None: it was removed)."""
+        if params is None:
+            self.gate.gated.pop(handle, None)
+        else:
+            self.gate.gated[handle] = params
+            self.schedule.reads.start()
 
     def stats(self) -> StepStats | None:
         self.flush()

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -11,14 +12,53 @@ import torch
 
 from .adapters import Adapter
 from .context import GroupCounters, OpenStep
+from .inputs import OwnedGrads, ParamWatch
 from .phase import Phase, PhaseMachine
 from .pipeline import ChunkPipeline, Event, Pending, note_failure
 from .planner import Chunk
 from .telemetry import StepRecord
 
-__all__ = ["StepSchedule"]
+__all__ = ["ReadOrder", "StepSchedule"]
 
 logger = logging.getLogger(__name__)
+
+
+class ReadOrder:
+    """The order in which the forward after a step first asks for each param.
+
+    [Note: Read order]
+    An overlapped step is only as early as the chunk the next forward waits for first. That is not always the first
+    chunk: FSDP2's root unit all-gathers the embedding, the final norm and the LM head before the first layer runs, so
+    its forward waited for the last chunk, that is for the whole step (measured: 1.11x of the floor exposed on the
+    H200, more than the synchronous step). So the pre-hooks of an attached model record the order in which the
+    forward after a step first asks for each param, and the next overlapped steps run their chunks in that order
+    (params never asked for last, in parameter order). Each chunk's update is the same whatever the order (the
+    inner steps each param on its own, as in the backward's order of ``step_in_backward``), so this is bitwise.
+    """
+
+    def __init__(self) -> None:
+        self.last: dict[int, int] = {}  # param index -> rank of its first read in the last whole forward
+        self._recording: dict[int, int] | None = None
+
+    def start(self) -> None:
+        """Record the next forward's reads."""
+        self._recording = {}
+
+    def record(self, indices: Sequence[int]) -> None:
+        if self._recording is not None:
+            for i in indices:
+                self._recording.setdefault(i, len(self._recording))
+
+    def forward_done(self) -> None:
+        """An attached model's forward returned: its reads order the next steps."""
+        if self._recording:
+            self.last, self._recording = self._recording, None
+
+    def sort(self, chunks: list[Chunk]) -> None:
+        """Order ``chunks`` by their first read in the last forward (chunks never read last, in their order)."""
+        if self.last:
+            unread = len(self.last)
+            chunks.sort(key=lambda c: min(self.last.get(i, unread) for i in c.params))
 
 
 @dataclass
@@ -29,8 +69,8 @@ class _Run:
     fresh: list[bool]
     record: StepRecord
     counters: GroupCounters
+    owned: OwnedGrads
     events: dict[int, Event] = field(default_factory=dict)
-    grads: dict[int, torch.Tensor | None] = field(default_factory=dict)  # of the deferred chunks' params
     next: int = 0  # the first chunk not enqueued yet
     position: int = -1  # the chunk being enqueued (for the failure note)
     committed: int = 0
@@ -63,11 +103,13 @@ class StepSchedule:
     iteration). So with ``overlap=True`` and an attached model the step enqueues its first ``num_slots`` chunks and
     the rest wait in ``deferred``; each attached module's pre-hook enqueues the chunks of its own params and the
     ``num_slots`` after them, and the model's forward hook enqueues what is left. A deferred chunk steps exactly as
-    inside ``step()``: with the step's grads (kept in the run and put back on the params around it), the group values
+    inside ``step()``: with the step's grads (copies kept in the run and shown to the inner around it), the group values
     of the step's start (``GroupCounters.deferred``), under ``no_grad`` with autocast off, and on the step stream
-    without waiting for the caller's stream again. A step does not defer on its first step (fresh state), with
-    GradScaler's tensors, with step post-hooks, without an attached model, or when the inner keeps counters in its
-    groups (seen after the first chunk).
+    without waiting for the caller's stream again. Its grads are the step's own copies, and its params must not have
+    been written since ``step()`` ([Note: Inputs of a step] in inputs.py). A step does not defer on its first step
+    (fresh state), with GradScaler's tensors, with step post-hooks, without an attached model, or when the inner keeps
+    counters in its groups (seen after the first chunk). Chunks with a param that no attached forward waits for
+    (*eager* chunks, first in the order) are never deferred.
 
     On failure the pipeline aborts (the failing chunk is rolled back, or forward), and the exception propagates with
     a note that says which chunks were committed. Chunks after the failing one are untouched: their H2D only read
@@ -76,7 +118,7 @@ class StepSchedule:
     Args:
         pipeline: the per-chunk operations.
         phase: the wrapper's phase (this class moves it between DEFERRED and STEPPING).
-        adapter: where the inner optimizer reads grads (a deferred chunk puts the step's grads back there).
+        adapter: where the inner optimizer reads grads (a chunk shows it the step's own copies there).
         device: the params' device (deferred chunks run with autocast off on it).
     """
 
@@ -86,13 +128,27 @@ class StepSchedule:
         self.adapter = adapter
         self.device = device
         self.deferred: _Run | None = None  # a step whose last chunks are not enqueued yet
+        self.watch = ParamWatch()  # params updated after step() returned, not read by a forward since
+        self.reads = ReadOrder()
 
-    def run(self, chunks: Sequence[Chunk], step: OpenStep, *, skip_staged: bool = False, defer: bool = False) -> None:
+    def run(
+        self,
+        chunks: Sequence[Chunk],
+        step: OpenStep,
+        *,
+        skip_staged: bool = False,
+        defer: bool = False,
+        own: bool = False,
+        eager: int = 0,
+    ) -> None:
         """Step ``chunks`` (each has at least one grad); ``skip_staged`` steps only chunks without state yet.
 
         With ``defer`` the step may return after enqueuing only its first chunks; the rest wait in ``deferred``
-        for ``advance`` ([Note: Deferred chunks]). It defers only chunks that all have state, and only while the
-        inner optimizer leaves the groups' values alone.
+        for ``advance`` ([Note: Deferred chunks]). It defers only chunks that all have state, only while the
+        inner optimizer leaves the groups' values alone, and never the first ``eager`` chunks. With ``own`` the
+        caller's stream goes on without waiting for the step: every chunk that steps after ``step()`` has returned
+        (on a GPU, all but the eager ones) reads copies of its grads, and its params are watched ([Note: Inputs of a
+        step]).
         """
         pipeline = self.pipeline
         fresh = [not pipeline.has_state(c) for c in chunks]
@@ -103,21 +159,23 @@ class StepSchedule:
         if not chunks:
             pipeline.require_stepper().run_empty(step.counters)
             return
-        run = _Run(list(chunks), fresh, step.record, step.counters)
+        run = _Run(list(chunks), fresh, step.record, step.counters, OwnedGrads(pipeline.gate.keep_alive))
+        slots = len(pipeline.pool.slots)
+        head = len(chunks) if not defer or any(fresh) else min(len(chunks), eager + slots)
+        later = (eager if pipeline.gate.stream is not None else head) if own else len(chunks)
         try:
+            # On the caller's stream, before the step stream waits for it: the copies read the grads as they are now.
+            run.owned.take([(i, g) for c in run.chunks[later:] for i, g in pipeline.grads(c)])
             run.events = events if events is not None else pipeline.start(chunks, fresh, pipeline.lookahead)
         except BaseException as exc:
             self._fail(run, exc)
             raise
-        slots = len(pipeline.pool.slots)
-        head = len(chunks) if not defer or any(fresh) else min(len(chunks), slots)
         self._advance(run, head - 1, first=True)
+        if run.next < len(chunks) and run.counters.changed():
+            self._advance(run, len(chunks) - 1, first=False)  # the inner keeps counters in the groups: all run now
         if run.next < len(chunks):
-            if run.counters.changed():  # the inner keeps counters in the groups: every chunk runs now, in order
-                self._advance(run, len(chunks) - 1, first=False)
-            else:
-                run.grads = {i: pipeline.grad_of(i) for c in run.chunks[run.next :] for i in c.params}
-                self.deferred = run
+            self.deferred = run
+        self.watch.record((i, self._param(i)) for c in run.chunks[later:] for i in c.params)
 
     def advance(self, indices: Sequence[int] | None) -> None:
         """Enqueue the deferred chunks that hold ``indices`` and the next ``num_slots`` after them (None: all)."""
@@ -130,23 +188,24 @@ class StepSchedule:
             if last < run.next:
                 return
             until = min(until, last + len(self.pipeline.pool.slots))  # the link keeps working ahead of the forward
-        infos, attr = self.pipeline.require_layout().infos, self.adapter.grad_attr
-        swapped = []
-        for c in run.chunks[run.next : until + 1]:
-            for i in c.params:
-                param, grad = infos[i].param, run.grads[i]
-                if getattr(param, attr, None) is not grad:
-                    swapped.append((param, getattr(param, attr, None)))
-                    setattr(param, attr, grad)  # the grad of the step, which the caller may have let go since
+        ran = [i for c in run.chunks[run.next : until + 1] for i in c.params]
         self.phase.to(Phase.STEPPING)
         try:
+            try:
+                run.position = run.next  # a refusal: nothing of it ran
+                self.watch.check(ran)
+            except BaseException as exc:
+                self._fail(run, exc)
+                raise
             # As inside step(): a forward's autocast must not change the inner's arithmetic, nor its grad mode ours.
             with torch.no_grad(), torch.autocast(self.device.type, enabled=False), run.counters.deferred():
                 self._advance(run, until, first=False)
         finally:
-            for param, grad in swapped:
-                setattr(param, attr, grad)
             self.phase.to(Phase.DEFERRED if self.deferred is not None else Phase.IDLE)
+        if self.pipeline.gate.stream is not None:
+            self.watch.record((i, self._param(i)) for i in ran)  # still running; our update bumped their versions
+        else:
+            self.watch.forget(ran)  # updated already: a write from now on comes after the update, as in plain torch
 
     def _advance(self, run: _Run, last: int, *, first: bool) -> None:
         """Enqueue chunks ``run.next .. last`` on the gate's stream; finish the step after the last chunk."""
@@ -163,9 +222,11 @@ class StepSchedule:
                     slot = pipeline.slot_for(pos)
                     if not fresh[pos] and pos not in events:
                         events[pos] = pipeline.stage(chunk, slot)
-                    run.pending = pipeline.step(chunk, slot, fresh[pos], events.pop(pos, None), run.counters)
+                    with self._owned_grads(run, chunk):
+                        run.pending = pipeline.step(chunk, slot, fresh[pos], events.pop(pos, None), run.counters)
                     pipeline.commit(chunk, run.pending)
                     run.pending = None
+                    run.owned.release(chunk.params)
                     run.committed += 1
                     run.next = pos + 1
                     run.record.add_chunk(chunk, fresh[pos], pipeline.pool)
@@ -179,6 +240,34 @@ class StepSchedule:
             pipeline.finish()
             run.record.transfers_done()
 
+    def eager(self, chunk: Chunk) -> bool:
+        """Whether a param of ``chunk`` with a grad is read by no attached forward that waits for it: one no gate
+        holds, or one the last forward did not ask for ([Note: Deferred chunks])."""
+        gated = {id(p) for params in self.pipeline.gate.gated.values() for p in params}
+        read = self.reads.last
+        return any(
+            id(self._param(i)) not in gated or (read and i not in read)
+            for i in chunk.params
+            if self.pipeline.grad_of(i) is not None
+        )
+
+    def _param(self, index: int) -> torch.Tensor:
+        return self.pipeline.require_layout().infos[index].param
+
+    @contextmanager
+    def _owned_grads(self, run: _Run, chunk: Chunk) -> Iterator[None]:
+        """Show the inner the step's own copies of the chunk's grads, where it has them."""
+        attr, owned = self.adapter.grad_attr, run.owned.grads
+        shown = [(self._param(i), owned[i]) for i in chunk.params if i in owned]
+        saved = [(p, getattr(p, attr, None)) for p, _ in shown]
+        for p, copy in shown:
+            setattr(p, attr, copy)
+        try:
+            yield
+        finally:
+            for p, grad in saved:
+                setattr(p, attr, grad)
+
     def prefetch(self, chunks: Sequence[Chunk]) -> None:
         """Start bringing in the first chunks of the next step now (the pipeline hands them to ``run``)."""
         self.pipeline.prefetch(chunks)
@@ -186,6 +275,10 @@ class StepSchedule:
     def _fail(self, run: _Run, exc: BaseException) -> None:
         """Abort ``run`` after ``exc``: roll its failing chunk back (or forward), note in ``exc`` what happened."""
         self.deferred = None
+        run.owned.clear()
+        self.watch.forget()  # a rollback writes params too; what is committed from here on the caller's stream sees
         if self.pipeline.abort(run.pending):
             run.committed += 1
-        note_failure(exc, run.chunks, run.position, run.committed)
+        chunk = run.chunks[run.position] if run.position >= 0 else None
+        total = len(self.pipeline.require_layout().plan.all_chunks)
+        note_failure(exc, chunk, run.position, run.committed, total, len(run.chunks))
