@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from collections.abc import Callable
@@ -249,7 +250,7 @@ def fsdp2_masters(rank: int, world: int, port: int, backend: str, mode: str, gat
                 p.detach().copy_(m.detach())  # round to nearest even
             ref.zero_grad()
             plain_model.zero_grad()
-            if gating == "backward":
+            if gating == "backward" and step > 0:  # the first backward observes ([Note: Observed backward])
                 assert wrapped.phase is Phase.IN_BACKWARD  # FSDP2's reduce-scatter ran the grad hooks
             wrapped.step()
             if gating == "overlap" and step > 0:
@@ -400,5 +401,145 @@ def fsdp2_masters_dcp(rank: int, world: int, port: int, backend: str, path: str,
         for (_, m), q in zip(ref_opt.master_params(), resumed.parameters(), strict=True):
             assert torch.equal(m, masters[q]), "masters differ"
         result[rank] = True
+    finally:
+        dist.destroy_process_group()
+
+
+def _clip(variant: str, params: list[torch.nn.Parameter]) -> None:
+    """The clipping variants users (and torchtitan) run on FSDP2's DTensor grads."""
+    if variant == "norm-foreach":
+        torch.nn.utils.clip_grad_norm_(params, 1e-2, foreach=True)
+    elif variant == "norm":
+        torch.nn.utils.clip_grad_norm_(params, 1e-2, foreach=False)
+    elif variant == "with-norm":  # torchtitan's: the total norm made whole, then the grads scaled by it
+        grads = [p.grad for p in params if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, foreach=True)
+        total = total.full_tensor() if hasattr(total, "full_tensor") else total
+        torch.nn.utils.clip_grads_with_norm_(params, 1e-2, total, foreach=True)
+    else:
+        torch.nn.utils.clip_grad_value_(params, 1e-3)
+
+
+CLIPS = ["norm-foreach", "norm", "with-norm", "value"]
+
+
+def fsdp2_clipping(rank: int, world: int, port: int, backend: str, result: Any, slow: bool = False) -> None:
+    """Every clipping variant on FSDP2's grads: sync and overlap are bitwise with the plain loop; step_in_backward is
+    refused before any update when the loop clips from its first iteration, and at step() when it starts later.
+    ``slow``: every chunk's step starts about 10 ms late on its stream (a GPU), so that a missing wait shows."""
+    from reference import slowed_chunk_steps
+
+    device = _init(rank, world, port, backend)
+    try:
+        with slowed_chunk_steps() if slow else contextlib.nullcontext():
+            result[rank] = _clipping_outcomes(rank, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _clipping_outcomes(rank: int, device: torch.device) -> dict[str, str]:
+    """Each clipping variant in sync, overlap and step_in_backward mode (early and late): what came of it."""
+    outcome = {}
+    for clip in CLIPS:
+        plain_model = _shard(_model(device))
+        plain = INNERS["adamw-foreach"](plain_model.parameters())
+        for step in range(4):
+            x, y = _batch(step, rank, device)
+            torch.nn.functional.mse_loss(plain_model(x), y).backward()
+            _clip(clip, list(plain_model.parameters()))
+            plain.step()
+            plain.zero_grad()
+        for mode in ("sync", "overlap", "backward"):
+            for late in (False, True) if mode == "backward" else (False,):
+                model = _shard(_model(device))
+                before = [_local(p.detach()).clone() for p in model.parameters()]
+                opt = ChunkedOffloadOptimizer(
+                    INNERS["adamw-foreach"](model.parameters()),
+                    chunk_size_mb=0.002,
+                    overlap=mode == "overlap",
+                    step_in_backward=mode == "backward",
+                )
+                if mode != "sync":
+                    opt.attach(model)
+                refused = None
+                for step in range(4):
+                    x, y = _batch(step, rank, device)
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                    if not late or step == 2:
+                        _clip(clip, list(model.parameters()))
+                    try:
+                        opt.step()
+                    except RuntimeError as exc:
+                        refused = str(exc)
+                        break
+                    opt.zero_grad()
+                key = f"{clip}/{mode}{'/late' if late else ''}"
+                if mode != "backward":
+                    opt.synchronize()
+                    _assert_same(plain_model, model, plain, opt)
+                    outcome[key] = "bitwise"
+                elif not late:
+                    assert refused is not None and "Nothing was updated" in refused, refused
+                    for p, b in zip(model.parameters(), before, strict=True):
+                        assert torch.equal(_local(p.detach()), b), "updated before the refusal"
+                    outcome[key] = "refused before any update"
+                else:
+                    assert refused is not None and "already updated the params" in refused, refused
+                    outcome[key] = "refused at step()"
+    return outcome
+
+
+def ddp_in_backward(rank: int, world: int, port: int, backend: str, result: Any) -> None:
+    """DDP with step_in_backward=True: refused at attach(), or without attach() before any update."""
+    device = _init(rank, world, port, backend)
+    try:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(_model(device))
+        opt = ChunkedOffloadOptimizer(
+            INNERS["adamw-foreach"](model.parameters()), chunk_size_mb=0.002, step_in_backward=True
+        )
+        messages = []
+        try:
+            opt.attach(model)
+        except ValueError as exc:
+            messages.append(str(exc))
+        before = [p.detach().clone() for p in model.parameters()]
+        x, y = _batch(0, rank, device)  # other data on each rank: the all-reduce changes every grad
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        try:
+            opt.step()
+        except RuntimeError as exc:
+            messages.append(str(exc))
+        assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before, strict=True))
+        result[rank] = messages
+    finally:
+        dist.destroy_process_group()
+
+
+def ddp_in_backward_one_gpu(rank: int, world: int, port: int, backend: str, result: Any) -> None:
+    """DDP at world size 1 on a GPU: its all-reduce leaves each grad as it is, so a step in the backward (each chunk
+    slowed) is bitwise the plain DDP loop; attach() of the DDP model is refused all the same."""
+    device = _init(rank, world, port, backend)
+    try:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        from reference import slowed_chunk_steps
+
+        models = [DDP(_model(device)) for _ in range(2)]
+        opts = [
+            INNERS["adamw-fused"](models[0].parameters()),
+            ChunkedOffloadOptimizer(INNERS["adamw-fused"](models[1].parameters()), step_in_backward=True),
+        ]
+        with slowed_chunk_steps():
+            for model, opt in zip(models, opts, strict=True):
+                _train(model, opt, range(6), rank, device)
+        opts[1].synchronize()
+        _assert_same(models[0], models[1], opts[0], opts[1])
+        try:
+            opts[1].attach(models[1])
+            result[rank] = "attached"
+        except ValueError as exc:
+            result[rank] = str(exc)
     finally:
         dist.destroy_process_group()

@@ -26,10 +26,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _spawn(fn: Any, *args: Any) -> dict[int, Any]:
+def _spawn(fn: Any, *args: Any, world: int = WORLD) -> dict[int, Any]:
     with mp.Manager() as manager:
         result = manager.dict()
-        mp.spawn(fn, args=(WORLD, _free_port(), "gloo", *args, result), nprocs=WORLD, join=True)
+        mp.spawn(fn, args=(world, _free_port(), "gloo", *args, result), nprocs=world, join=True)
         return dict(result)
 
 
@@ -66,3 +66,23 @@ def test_fsdp2_bf16_params_with_offloaded_masters_match_a_resident_master_loop(m
 
 def test_fsdp2_dcp_round_trip_keeps_the_offloaded_masters(tmp_path: Path) -> None:
     assert _spawn(dist_cases.fsdp2_masters_dcp, str(tmp_path)) == {0: True, 1: True}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_fsdp2_every_clipping_variant_is_bitwise_or_refused(world: int) -> None:
+    """Sync and overlap with each clipping variant equal the plain loop; step_in_backward refuses it (issue 32)."""
+    result = _spawn(dist_cases.fsdp2_clipping, world=world)
+    for rank in range(world):
+        outcome = result[rank]
+        assert len(outcome) == 4 * len(dist_cases.CLIPS)
+        for clip in dist_cases.CLIPS:
+            assert outcome[f"{clip}/sync"] == outcome[f"{clip}/overlap"] == "bitwise"
+            assert outcome[f"{clip}/backward"] == "refused before any update"
+            assert outcome[f"{clip}/backward/late"] == "refused at step()"
+
+
+def test_ddp_with_step_in_backward_is_refused_before_any_update() -> None:
+    result = _spawn(dist_cases.ddp_in_backward)
+    for messages in result.values():
+        assert "DistributedDataParallel model with step_in_backward=True" in messages[0]
+        assert "Nothing was updated" in messages[1]

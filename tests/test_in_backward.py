@@ -152,24 +152,50 @@ def test_resident_chunks_and_a_fraction_step_in_backward_too(budget: bool) -> No
     _assert_same(plain, backward)
 
 
-def test_clipping_after_the_backward_step_is_refused() -> None:
+def test_clipping_after_the_first_backward_is_refused_before_any_update() -> None:
+    """[Note: Observed backward]: the first backward steps nothing, so a loop that clips is refused untouched."""
     torch.manual_seed(0)
     model = _Net()
+    before = [p.detach().clone() for p in model.parameters()]
     opt = ChunkedOffloadOptimizer(torch.optim.AdamW(model.parameters()), chunk_size_mb=2 * _KIB, step_in_backward=True)
     x = torch.randint(0, 40, (3, 5))
     model(x).square().mean().backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
-    with pytest.raises(RuntimeError, match="changed after the backward pass had stepped with them .*clipping"):
+    with pytest.raises(RuntimeError, match="changed between the backward pass and step.*Nothing was updated"):
         opt.step()
+    for p, b in zip(model.parameters(), before, strict=True):
+        assert_equal(p, b)
+    assert not opt.state
     opt.zero_grad()
-    model(x).square().mean().backward()  # the wrapper goes on
+    model(x).square().mean().backward()  # the wrapper goes on: this backward observes again
     opt.step()
+    assert opt.state
+
+
+def test_clipping_after_a_backward_that_stepped_is_refused() -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(model.parameters()), chunk_size_mb=2 * _KIB, step_in_backward=True)
+    x = torch.randint(0, 40, (3, 5))
+    for clip in (False, False, True):
+        model(x).square().mean().backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            with pytest.raises(RuntimeError, match="has already updated the params .* did not see the change"):
+                opt.step()
+        else:
+            opt.step()
+        opt.zero_grad()
+    assert opt._runner.observing  # after a refusal the next backward observes the loop again
 
 
 def test_a_second_backward_without_step_is_refused() -> None:
     model = _Net()
     opt = ChunkedOffloadOptimizer(torch.optim.AdamW(model.parameters()), chunk_size_mb=2 * _KIB, step_in_backward=True)
     x = torch.randint(0, 40, (3, 5))
+    model(x).square().mean().backward()  # observed
+    opt.step()
+    opt.zero_grad()
     model(x).square().mean().backward()
     assert opt.phase is Phase.IN_BACKWARD
     with pytest.raises(RuntimeError, match="a second backward pass would step again"):
@@ -319,7 +345,6 @@ def test_reentrant_checkpointing_steps_every_chunk_once(head_outside: bool) -> N
         opt = ChunkedOffloadOptimizer(
             torch.optim.AdamW(layers.parameters(), lr=1e-2), chunk_size_mb=2 * _KIB, step_in_backward=mode == "backward"
         )
-        opt.attach(layers)
         gen = torch.Generator().manual_seed(1)
         for _ in range(4):
             x = torch.randn(3, 16, generator=gen, requires_grad=True)

@@ -355,8 +355,9 @@ def test_a_deferred_step_is_finished_by_whatever_comes_before_the_forward(betwee
 
 def test_removing_the_attach_handle_enqueues_a_deferred_step() -> None:
     ref, ref_params, opt, params, _ = _deferring_pair()
+    first = next(iter(opt._gate.gated))
     handle = opt.attach(Chain(params))  # a second model over the same params
-    opt._gate.attached -= 1  # count only this one (the first handle is never removed here)
+    del opt._gate.gated[first]  # count only this one (the first handle is never removed here)
     run_steps(ref, ref_params, 3)
     run_steps(opt, params, 2)
     set_grads(params, make_grads(params, 2))
