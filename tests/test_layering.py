@@ -41,9 +41,11 @@ ORDER = [
     "backward_watch",
     "in_backward",
     "runner",
+    "compiled",
     "hooks",
     "state_dict",
     "optimizer",
+    "torchtitan",
     "",  # the package's __init__
 ]
 

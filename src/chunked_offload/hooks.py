@@ -9,15 +9,16 @@ from typing import Any, Protocol
 
 import torch
 
+from . import compiled
+
 __all__ = ["AttachHandle", "HookSet", "Runtime", "attach", "opaque", "register_grad_hooks", "weak_callback"]
 
 # [Note: Opaque to dynamo]
-# torch.compile must never trace the wrapper's own code. Traced, the forward hooks that wait for (and enqueue) the
-# step's chunks would be specialised to what they did at trace time: a compiled forward then skips the waits (a race)
-# or runs a deferred chunk's inner step as a compiled graph (other arithmetic: NaN params were seen). A compiled
-# step() would likewise fuse the inner optimizer's kernels differently from the eager step. So every entry point that
-# dynamo can reach (the hooks registered here on modules and params, and step()) is wrapped in torch.compiler.disable:
-# dynamo breaks the graph there and runs it eagerly. Each attached module with params costs at most one graph break.
+# torch.compile must never trace the wrapper's own code: traced, the step's waits and launches would be specialised
+# to what they did at trace time, and a compiled step() would fuse the inner optimizer's kernels differently from the
+# eager step. Entry points that run eagerly only (step(), the grad and state-dict hooks, the eager body of a forward
+# hook) are wrapped in torch.compiler.disable. The forward hooks are traced with the module: under dynamo they record
+# a custom op instead of calling the runtime, and add no graph break ([Note: Gates in compiled graphs] in compiled.py).
 opaque = torch.compiler.disable
 
 
@@ -34,6 +35,8 @@ class Runtime(Protocol):
 
     def forward_done(self) -> None: ...
 
+    def forward_compiled(self) -> None: ...
+
     def grad_final(self, param: torch.Tensor) -> None: ...
 
     def index_of(self, param: torch.Tensor) -> int | None: ...
@@ -42,28 +45,21 @@ class Runtime(Protocol):
 
 
 class _Hook:
-    """A hook the wrapper puts on a module or a param: it calls ``fn(runtime, *args)`` while the runtime lives.
+    """A hook the wrapper puts on a module or a param, holding the step runtime weakly.
 
     [Note: Hooks in copies]
     ``copy.deepcopy``, ``pickle`` and ``torch.save`` of a hooked module (``AveragedModel(model)``, an eval copy, a
     whole-model checkpoint) copy its hook dicts with it. A hook is an object of this class, so a copy of it is the
     inert ``_inert`` instead: the copy carries no live hook into the wrapper (its forward neither waits for nor steps
-    anything of the original's), pickles by reference, and loads anywhere the package is installed. Copying a hook
-    first joins the step, so the params the copy is made from are updated: a module's hook dicts are copied before
-    its children, and the root module's own params, which come before its hooks, are never left to an overlapped
-    step ([Note: Deferred chunks] in schedule.py).
+    anything of the original's), pickles by reference, and loads anywhere the package is installed. A gated module
+    itself joins the step before it is copied, so its params are copied updated, and the copy has the module's
+    original class ([Note: Gates in compiled graphs] in compiled.py).
     """
 
-    __slots__ = ("_fn", "_runtime")
+    __slots__ = ("_runtime",)
 
-    def __init__(self, fn: Callable[..., Any], runtime: weakref.ref[Runtime]) -> None:
-        self._fn = fn
+    def __init__(self, runtime: weakref.ref[Runtime]) -> None:
         self._runtime = runtime
-
-    @opaque  # [Note: Opaque to dynamo]
-    def __call__(self, *args: Any) -> Any:
-        target = self._runtime()
-        return None if target is None else self._fn(target, *args)
 
     def _join(self) -> None:
         target = self._runtime()
@@ -77,6 +73,88 @@ class _Hook:
     def __reduce_ex__(self, protocol: Any) -> tuple[Callable[[], Callable[..., None]], tuple[()]]:
         self._join()
         return _the_inert_hook, ()
+
+
+class _Call(_Hook):
+    """A hook that runs eagerly only: ``fn(runtime, *args)`` while the runtime lives."""
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, fn: Callable[..., Any], runtime: weakref.ref[Runtime]) -> None:
+        super().__init__(runtime)
+        self._fn = fn
+
+    @opaque  # [Note: Opaque to dynamo]
+    def __call__(self, *args: Any) -> Any:
+        target = self._runtime()
+        return None if target is None else self._fn(target, *args)
+
+
+class _Gate(_Hook):
+    """The forward pre-hook of one gated module: its forward waits for the updates of its params.
+
+    Traced by dynamo it adds nothing to the graph, and notes the trace ([Note: Gates in compiled graphs]).
+    """
+
+    __slots__ = ("params", "_key", "_streams")
+
+    def __init__(self, runtime: weakref.ref[Runtime], params: list[torch.Tensor], unit: bool, key: int) -> None:
+        super().__init__(runtime)
+        self.params = params
+        self._key = key
+        self._streams = unit  # an FSDP2 unit: its all-gather streams wait too
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            compiled.note_trace(self._key)
+        else:
+            self.run(module)
+
+    @opaque  # [Note: Opaque to dynamo]
+    def run(self, module: torch.nn.Module) -> None:
+        target = self._runtime()
+        if target is None:
+            return
+        params = self.params
+        if self._streams:  # with explicit forward prefetching, the units it prefetches all-gather now too
+            prefetched = getattr(_fsdp_state(module), "_states_to_forward_prefetch", [])
+            params = [*params, *(p for state in prefetched for m in getattr(state, "_modules", ()) for p in _own(m))]
+        indices = [i for i in (target.index_of(p) for p in params) if i is not None]
+        target.wait_for(indices, _all_gather_streams(module) if self._streams else ())
+
+
+class _Done(_Hook):
+    """The attached model's forward hook: the rest of a deferred step is enqueued, the caller waits for all of it."""
+
+    __slots__ = ()
+
+    def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not torch.compiler.is_compiling():  # traced: its gates made the step join ([Note: Gates in compiled graphs])
+            self.run()
+
+    @opaque  # [Note: Opaque to dynamo]
+    def run(self) -> None:
+        target = self._runtime()
+        if target is not None:
+            target.forward_done()
+
+
+def _run_eagerly_at_the_top(*methods: Callable[..., Any]) -> None:
+    """Dynamo compiles a frame it meets outside a graph being traced (a hook the eager part of a compiled module's
+    ``_call_impl`` calls), here into a graph of one op; running these eagerly there instead costs nothing. Traced
+    inside a graph, they still record their ops ([Note: Gates in compiled graphs])."""
+    skip = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    skip_code = getattr(skip, "skip_code", None)
+    if skip_code is not None:
+        for method in methods:
+            skip_code(method.__code__)
+
+
+_run_eagerly_at_the_top(_Gate.__call__, _Done.__call__)
+
+
+def _join_hook(target: Runtime, *args: Any) -> None:
+    target.join()
 
 
 def _inert(*args: Any) -> None:
@@ -102,23 +180,26 @@ def _is_ddp(model: torch.nn.Module) -> bool:
 
 
 def attach(model: torch.nn.Module, runtime: Runtime, *, blocks: bool = False) -> AttachHandle:
-    """Gate the forward of every module of ``model`` that holds params on the updates of those params.
+    """Gate the forward of the modules of ``model`` that hold params on the updates of those params.
 
     [Note: Attached forward]
-    Each module with params of its own gets a forward pre-hook, prepended so that it runs before any other, that
-    makes the stream running the forward wait for the chunks of those params, enqueuing them first if they were
-    deferred. An FSDP2 unit (``fully_shard``) waits for every param it manages (its subtree's, less nested units'),
-    and makes FSDP2's all-gather streams wait too, before its own pre-forward hook all-gathers them; with explicit
-    forward prefetching it waits for the units it prefetches as well. The model's own forward hook enqueues what is
-    left of a deferred step and orders the backward after the whole step (so nothing of the step runs beside the
-    backward's writes into the grads). ``state_dict()`` and ``load_state_dict()`` of the model and of those modules
-    join the step first: they read or write the params. Copies of the model carry none of these hooks ([Note: Hooks
-    in copies]).
-
-    With ``blocks=True`` each element of an ``nn.ModuleList`` (a transformer's layers) is gated as a whole: its
-    forward waits for every param of its subtree, and the modules inside it have no hook of their own. Under
-    torch.compile that is one graph break per block instead of one per module with params ([Note: Opaque to
-    dynamo]), at the price of a block's first module waiting for the block's last chunk.
+    Each gated module gets a forward pre-hook, prepended so that it runs before any other, that makes the stream
+    running the forward wait for the chunks of its params, enqueuing them first if they were deferred. What is gated
+    (``_gates``), parents first:
+    - an FSDP2 unit (``fully_shard``) waits for every param it manages (its subtree's, less nested units'), and makes
+      FSDP2's all-gather streams wait too, before its own pre-forward hook all-gathers them; with explicit forward
+      prefetching it waits for the units it prefetches as well. The modules inside it have no gate of their own;
+    - a compiled module (``torch.compile(block)``) waits for its subtree's params at its boundary ([Note: Gates in
+      compiled graphs] in compiled.py), and so, with ``blocks=True``, does each element of a ``ModuleList``,
+      ``ModuleDict`` or ``Sequential`` (a transformer's layers), at the price of a block's first module waiting for
+      the block's last chunk;
+    - every other module waits for the params it holds itself.
+    The model's own forward hook enqueues what is left of a deferred step and orders the backward after the whole
+    step (so nothing of the step runs beside the backward's writes into the grads). ``state_dict()`` and
+    ``load_state_dict()`` of the model and of the gated modules join the step first: they read or write the params.
+    Under torch.compile the hooks add no graph break, and the gated modules get classes of their own so that code
+    compiled before is not reused without them ([Note: Gates in compiled graphs]). Copies of the model carry none of
+    the hooks ([Note: Hooks in copies]).
 
     ``attach()`` refuses a module whose forward never runs (a container: attach the module that calls it), one that
     holds none of the optimizer's params, and, with ``step_in_backward=True``, a DDP model.
@@ -133,8 +214,7 @@ def attach(model: torch.nn.Module, runtime: Runtime, *, blocks: bool = False) ->
             "another module's forward), so the hook that finishes the step after the forward would never fire. "
             "Attach the module whose forward calls it (the whole model)"
         )
-    own = [p for p in model.parameters() if runtime.index_of(p) is not None]
-    if not own:
+    if not any(runtime.index_of(p) is not None for p in model.parameters()):
         total = sum(1 for _ in model.parameters())
         raise ValueError(
             f"attach() got a {type(model).__name__} that holds none of this optimizer's params (it holds {total} "
@@ -148,69 +228,52 @@ def attach(model: torch.nn.Module, runtime: Runtime, *, blocks: bool = False) ->
             "step_in_backward=False with DDP (overlap=True hides most of the step), or FSDP2 (fully_shard)"
         )
     ref = weakref.ref(runtime)  # the model must not keep the wrapper (and its host memory) alive
+    key = compiled.register(ref)
     units = _fsdp_units(model)
     gates = _gates(model, units, blocks)
-
-    def params_of(module: torch.nn.Module) -> list[torch.Tensor]:
-        gated = gates.get(module)
-        if gated is None:
-            return []  # a shallow copy of a gated module
-        if module in units:
-            prefetched = getattr(_fsdp_state(module), "_states_to_forward_prefetch", [])
-            extra = [p for state in prefetched for m in getattr(state, "_modules", ()) for p in units.get(m, [])]
-            return [*gated, *extra]
-        return gated
-
-    def before_forward(target: Runtime, module: torch.nn.Module, args: Any) -> None:
-        own = (target.index_of(p) for p in params_of(module))
-        target.wait_for([i for i in own if i is not None], _all_gather_streams(module) if module in units else ())
-
-    def after_forward(target: Runtime, module: torch.nn.Module, args: Any, output: Any) -> None:
-        target.forward_done()
-
-    def before_state_dict(target: Runtime, module: torch.nn.Module, *args: Any) -> None:
-        target.join()
-
-    gated_modules = list(gates)
-    pre = _Hook(before_forward, ref)
-    handles = [m.register_forward_pre_hook(pre, prepend=True) for m in gated_modules]
-    readers = []
-    reader = _Hook(before_state_dict, ref)
-    for module in {id(m): m for m in [model, *gated_modules]}.values():
-        readers.append(module.register_state_dict_pre_hook(reader))
-        readers.append(module.register_load_state_dict_pre_hook(reader))
-    root_own = {id(p) for p in model._parameters.values() if p is not None}  # [Note: Hooks in copies]
-    waited = [p for ps in gates.values() for p in ps if id(p) not in root_own]
-    handle = AttachHandle(handles, model.register_forward_hook(_Hook(after_forward, ref)), readers, ref)
-    runtime.attached(handle.serial, waited)
+    hooks = {m: _Gate(ref, ps, m in units, key) for m, ps in gates.items()}
+    # A module compiled in place runs its hooks inside the compiled code: its gate runs from its class instead.
+    inplace = {m: hooks[m].run for m in gates if compiled.is_compiled_module(m) and not compiled.is_compiled_wrapper(m)}
+    handles = [m.register_forward_pre_hook(h, prepend=True) for m, h in hooks.items() if m not in inplace]
+    handles.append(model.register_forward_hook(_Done(ref)))
+    reader = _Call(_join_hook, ref)
+    for module in {id(m): m for m in [model, *gates]}.values():
+        handles.append(module.register_state_dict_pre_hook(reader))
+        handles.append(module.register_load_state_dict_pre_hook(reader))
+    # Modules dynamo may trace get classes of their own; a torch.compile wrapper's own hooks run eagerly.
+    traced = [m for m in {id(m): m for m in [model, *gates]}.values() if not compiled.is_compiled_wrapper(m)]
+    handle = AttachHandle(len(gates), handles, compiled.gate_classes(traced, ref, inplace), ref, key)
+    runtime.attached(handle.serial, [p for ps in gates.values() for p in ps])
     return handle
 
 
 def _gates(
     model: torch.nn.Module, units: dict[torch.nn.Module, list[torch.Tensor]], blocks: bool
 ) -> dict[torch.nn.Module, list[torch.Tensor]]:
-    """The modules whose forward waits, in ``model.modules()`` order, and the params each waits for.
-
-    FSDP2 units wait for what they manage; with ``blocks``, each element of an ``nn.ModuleList`` that is not inside
-    another block waits for its subtree's params (less those of units inside it); every other module with params of
-    its own, outside the blocks, waits for those.
-    """
-    block_ids = {id(b) for c in model.modules() if isinstance(c, torch.nn.ModuleList) for b in c.children()}
+    """The modules whose forward waits, in ``model.modules()`` order, and the params each waits for ([Note:
+    Attached forward])."""
+    containers = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
+    block_ids = {id(b) for c in model.modules() if isinstance(c, containers) for b in c.children()}
     gates: dict[torch.nn.Module, list[torch.Tensor]] = {}
-    inside: set[int] = set()  # modules within a block (the block itself excluded)
+    inside: set[int] = set()  # modules within a gated unit, compiled region or block (the gated module excluded)
     for m in model.modules():  # parents before their children
         if m in units:
             gates[m] = units[m]
         elif id(m) in inside:
             continue
-        elif blocks and id(m) in block_ids:
+        elif compiled.is_compiled_module(m) or (blocks and id(m) in block_ids):
             gates[m] = _subtree_params(m, units.__contains__)
-            inside.update(id(n) for n in m.modules() if n is not m)
         else:
-            own: list[torch.Tensor] = [p for p in m._parameters.values() if p is not None]
+            own = _own(m)
             if own:
                 gates[m] = own
-    return gates
+            continue
+        inside.update(id(n) for n in m.modules() if n is not m and n not in units)
+    return {m: params for m, params in gates.items() if params}
+
+
+def _own(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [p for p in module._parameters.values() if p is not None]
 
 
 def _subtree_params(module: torch.nn.Module, is_unit: Callable[[torch.nn.Module], bool]) -> list[torch.Tensor]:
@@ -252,28 +315,37 @@ class AttachHandle:
 
     _serials = itertools.count()
 
-    def __init__(self, handles: list[Any], done: Any, readers: list[Any], runtime: weakref.ref[Runtime]) -> None:
+    def __init__(
+        self,
+        gated: int,
+        handles: list[Any],
+        restore: Callable[[], None],
+        runtime: weakref.ref[Runtime],
+        key: int,
+    ) -> None:
         self.serial = next(self._serials)
+        self._gated = gated
         self._handles = handles
-        self._done: Any = done  # the model's own forward hook, which enqueues what is left of a deferred step
-        self._readers = readers  # state_dict / load_state_dict pre-hooks, which join the step
+        self._restore: Callable[[], None] | None = restore  # gives the gated modules their classes back
         self._runtime = runtime
+        self._key = key  # what traced gates tell ([Note: Gates in compiled graphs])
 
     def __len__(self) -> int:
-        return len(self._handles)
+        return self._gated
 
     def remove(self) -> None:
-        if self._done is not None:
-            target = self._runtime()
-            if target is not None:
-                target.attached(self.serial, None)
-                target.flush()  # nothing will ask for the deferred chunks any more
-            self._done.remove()
-            self._done = None
-        for h in [*self._handles, *self._readers]:
+        if self._restore is None:
+            return
+        target = self._runtime()
+        if target is not None:
+            target.attached(self.serial, None)
+            target.flush()  # nothing will ask for the deferred chunks any more
+        for h in self._handles:
             h.remove()
-        self._handles.clear()
-        self._readers.clear()
+        if self._restore is not None:
+            self._restore()
+        compiled.forget(self._key)
+        self._handles, self._restore = [], None
 
 
 def register_grad_hooks(params: Sequence[torch.Tensor], runtime: Runtime) -> list[Any]:
@@ -285,7 +357,7 @@ def register_grad_hooks(params: Sequence[torch.Tensor], runtime: Runtime) -> lis
     def grad_final(target: Runtime, param: torch.Tensor) -> None:
         target.grad_final(param)
 
-    hook = _Hook(grad_final, weakref.ref(runtime))
+    hook = _Call(grad_final, weakref.ref(runtime))
     return [p.register_post_accumulate_grad_hook(hook) for p in params if p.requires_grad]
 
 

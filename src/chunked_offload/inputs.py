@@ -87,7 +87,9 @@ class ParamWatch:
     """The version counters of params an overlapped step updates after ``step()`` returned.
 
     A param in the watch was written by no one since the step recorded it; ``check`` refuses one that was. A write
-    through ``.data`` bypasses version counters and is not seen ([Note: Inputs of a step]).
+    through ``.data`` bypasses version counters and is not seen, and so does one before a forward that compiled code
+    runs: its ops declare that they write the params ([Note: Gates in compiled graphs]), and the compiled code counts
+    them as writes more than once. ([Note: Inputs of a step])
     """
 
     def __init__(self) -> None:

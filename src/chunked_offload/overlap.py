@@ -51,11 +51,18 @@ class StepGate:
         self.ready: dict[int, torch.cuda.Event] = {}
         self.end: torch.cuda.Event | None = None  # after the last chunk's update, on the step stream
         self.gated: dict[int, list[torch.Tensor]] = {}  # attach handle -> the params its forward hooks wait for
+        self.compiled_forward = False  # a gate was traced: steps wait for all their chunks ([Note: Gates in compiled
+        # graphs] in compiled.py)
 
     @property
     def attached(self) -> int:
         """Models whose forward waits for their params (attach handles not removed)."""
         return len(self.gated)
+
+    @property
+    def gating(self) -> bool:
+        """Whether the forwards of attached models wait for their own params (no gate was traced instead)."""
+        return bool(self.gated) and not self.compiled_forward
 
     @contextmanager
     def stepping(self, wait_caller: bool = True) -> Iterator[None]:

@@ -135,7 +135,7 @@ class StepRunner:
         chunks = self.chunks_to_step()
         skip_staged = skipped_by_scaler(scaler)
         defer = self._may_defer(skip_staged, scaler)
-        detached = self.overlap and self.gate.attached > 0  # the caller's stream goes on without the whole step
+        detached = self.overlap and self.gate.gating  # the caller's stream goes on without the whole step
         eager = sum(1 for c in chunks if self.schedule.eager(c)) if detached else 0
         self.gate.keep_alive(local(g) for c in chunks for _, g in self.pipeline.grads(c))
         resting = self.phase.phase
@@ -185,7 +185,7 @@ class StepRunner:
         self._prepare()
         check_grads(self.placement.infos, self.adapter)
         chunks = [c for c in self.placement.plan.all_chunks if self.pipeline.grads(c)]
-        if self.overlap and self.gate.attached:
+        if self.overlap and self.gate.gating:
             self.schedule.reads.sort(chunks)  # [Note: Read order]
             chunks.sort(key=lambda c: not self.schedule.eager(c))  # stable: the eager chunks first, in that order
         return chunks
@@ -204,7 +204,7 @@ class StepRunner:
         """Whether this step may leave its later chunks to the forwards that read them ([Note: Deferred chunks])."""
         return (
             self.overlap
-            and self.gate.attached > 0
+            and self.gate.gating
             and not skip_staged
             and not scaler
             # A post-hook expects the step done (an EMA of the weights).
@@ -413,6 +413,11 @@ class StepRunner:
     def index_of(self, param: torch.Tensor) -> int | None:  # the hooks' lookup
         return self.placement.binding.index_of(param)
 
+    def forward_compiled(self) -> None:
+        """Dynamo traced a gate: from now on steps finish before returning ([Note: Gates in compiled graphs])."""
+        self.gate.compiled_forward = True
+        self.join()
+
     def forward_done(self) -> None:
         """An attached model's forward returned: the caller's stream goes on after the step; keep its read order."""
         self.join()
@@ -428,12 +433,8 @@ class StepRunner:
 
     def stats(self) -> StepStats | None:
         self.flush()
-        if self.last_step is None:
-            return None
-        placement = self.placement
-        return self.last_step.stats(
-            placement.resident_device_bytes, placement.plan.resident_share, placement.pinned_host_bytes
-        )
+        p, step = self.placement, self.last_step
+        return None if step is None else step.stats(p.resident_device_bytes, p.plan.resident_share, p.pinned_host_bytes)
 
     # ------------------------------------------------------------------ moving the resident state
     def offload(self, non_blocking: bool) -> MoveHandle:
