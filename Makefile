@@ -13,6 +13,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)" "pytest>=8" "hypothesis>=6" numpy expecttest accelerate pytorch-lightning transformers tqdm ruff mypy build
+	# torchtitan 0.3 for tests/test_torchtitan.py: without its data, logging and checkpoint dependencies.
+	$(PY) -m pip install -q --no-deps "torchtitan==0.3.0"
+	$(PY) -m pip install -q "spmd_types==0.2.3" tyro einops safetensors triton
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 

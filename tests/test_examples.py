@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
+import socket
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+import torch.distributed as dist
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -62,3 +65,21 @@ def test_train_llama_learns_on_the_cpu() -> None:
     args = argparse.Namespace(size="tiny", steps=30, batch=8, seq=None, log_every=100, overlap=True)
     losses, _, _ = example.train(argparse.Namespace(**vars(args), step_in_backward=False, clip=True))
     assert losses[-1] < losses[0] / 3, losses
+
+
+def test_train_torchtitan_overlapped_matches_torchtitans_own_loop() -> None:
+    pytest.importorskip("torchtitan.models.llama3", reason="torchtitan (0.3) is not installed")
+    example = _load("train_torchtitan")
+    common = dict(auto=False, flavor="debugmodel", steps=3, batch=2, seq=16, lr=8e-4, chunk_mb=0.5, log_every=100)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        runs = [example.train(argparse.Namespace(mode=m, no_compile=True, **common)) for m in ("plain", "overlap")]
+    finally:
+        dist.destroy_process_group()
+    assert runs[0][0] == runs[1][0]
+    for a, b in zip(runs[0][1].parameters(), runs[1][1].parameters(), strict=True):
+        assert torch.equal(a.to_local(), b.to_local())
