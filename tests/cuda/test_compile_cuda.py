@@ -80,3 +80,43 @@ def test_reduce_overhead_compiles_to_cuda_graphs_and_stays_exact_or_is_refused()
             continue
         for i, (a, b) in enumerate(zip(reference, got, strict=True)):
             assert_equal(a, b, f"{mode} under reduce-overhead: param {i}")
+
+
+# The CPU matrix of tests/test_compile.py, at sizes where inductor's fusion choices differ (width 4096, batch 8192),
+# each chunk's step slowed, with deterministic kernels, against the plain compiled loop run twice (the control).
+GPU_CASES = ["base", "structure=sequential", "scope=blocks", "scope=inplace", "attach=after-another",
+             "wrappers=muon+adamw", "fullgraph=False-checkpointing=reentrant-no-grad-input",
+             "structure=dict-scope=inplace-attach=after-checkpointing=non-reentrant"]  # fmt: skip
+
+
+@pytest.fixture
+def deterministic() -> Any:
+    import os
+
+    before = torch.are_deterministic_algorithms_enabled()
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+@pytest.mark.parametrize("name", GPU_CASES)
+def test_the_compile_matrix_matches_the_plain_compiled_loop_at_gpu_sizes(name: str, deterministic: Any) -> None:
+    import test_compile as matrix
+
+    case = next(c for c in matrix.CASES if str(c) == name)
+    sizes: dict[str, Any] = dict(steps=3, device="cuda", width=4096, batch=8192, chunk_mb=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain, graphs, breaks, _ = matrix._train(case, "plain", **sizes)
+        control, _, _, _ = matrix._train(case, "plain", **sizes)
+        for i, (a, b) in enumerate(zip(plain, control, strict=True)):
+            assert_equal(a, b, f"control (the plain loop twice): param {i}")
+        for mode in ("overlap", "backward"):
+            with slowed_chunk_steps(SLEEP):
+                got, got_graphs, got_breaks, _ = matrix._train(case, mode, **sizes)
+            assert (got_graphs, got_breaks) == (graphs, breaks), mode
+            for i, (a, b) in enumerate(zip(plain, got, strict=True)):
+                assert_equal(a, b, f"{mode}: param {i}")
