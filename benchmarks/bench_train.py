@@ -29,10 +29,9 @@ Exposed optimizer time = our iteration - the resident iteration ("added"), repor
 transfer floor (the bytes each way over the measured duplex bandwidth), and "kept" = resident iterations/s over the
 variant's (the figure ZeRO-Offload and its successors publish).
 
---compile MODE runs every variant's forward and backward through torch.compile(model, mode=MODE); our variants
-attach the model before compiling, so each module with params breaks the graph once ([Note: Opaque to dynamo]), and
-"sync" attaches it too, so that the compiled loops are the same: under --compile the bitwise check is against sync.
---blocks attaches with blocks=True: one hook, and one graph break, per decoder layer.
+--compile MODE runs every variant's forward and backward through torch.compile(model, mode=MODE) (the whole model:
+the wrapper adds nothing to its graph, and each step finishes before it returns; [Note: Gates in compiled graphs]).
+--blocks attaches with blocks=True: one gate per decoder layer.
 --fsdp2 shards the model with FSDP2 (each decoder layer and the root, one process, NCCL) before any optimizer.
 
 Exactness: two unwrapped runs of the model differ unless the kernels are deterministic (attention's and the
@@ -52,12 +51,14 @@ Exits nonzero if any variant is not bitwise equal to the resident run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,9 +71,11 @@ from common import Recorder, Stats, device_name, git_sha, measure_link, progress
 
 VARIANTS = ("resident", "sync", "overlap", "backward")
 AUTO = ("overlap-auto", "backward-auto")
+# backward without the content checks of step() ([Note: Inputs of a step]): what those cost (issue 32).
+UNCHECKED = ("backward-unchecked",)
 PEERS = ("torchao", "deepspeed")  # run after ours: DeepSpeed leaves its hooks on the model it wraps (a copy)
 RESERVED: dict[str, int] = {}  # each variant's reserved peak in the last batch (--auto-spare caps from it)
-NO_CLIP = {"backward", "backward-auto", "resident-noclip", "sync-noclip", "torchao"}
+NO_CLIP = {"backward", "backward-auto", "backward-unchecked", "resident-noclip", "sync-noclip", "torchao"}
 
 
 class ResidentMasters:
@@ -219,7 +222,7 @@ def make_optimizer(variant: str, model: torch.nn.Module, args: argparse.Namespac
         return DeepSpeedZeroOffload(model, args.lr, batch)
     fused = next(model.parameters()).device.type == "cuda"
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, fused=fused)
-    mode = variant.removesuffix("-auto")
+    mode = variant.removesuffix("-auto").removesuffix("-unchecked")
     opt = ChunkedOffloadOptimizer(
         inner,
         chunk_size_mb=args.chunk_mb,
@@ -229,8 +232,7 @@ def make_optimizer(variant: str, model: torch.nn.Module, args: argparse.Namespac
         step_in_backward=mode == "backward",
         gpu_budget_mb="auto" if variant in AUTO else None,
     )
-    if mode in ("overlap", "backward") or (args.compile and variant.startswith("sync")):
-        # Under --compile sync attaches too: the same graph breaks as the loops it is checked against.
+    if mode in ("overlap", "backward"):
         opt.attach(model, blocks=args.blocks)
     return opt
 
@@ -265,7 +267,31 @@ def iterate(model: torch.nn.Module, opt: Any, ids: torch.Tensor, clip: bool = Tr
     return host
 
 
+@contextlib.contextmanager
+def checks_off(variant: str) -> Iterator[None]:
+    """For ``*-unchecked``: step() compares no grads ([Note: Inputs of a step]), to time what the checks cost."""
+    from chunked_offload import inputs
+
+    if not variant.endswith("-unchecked"):
+        yield
+        return
+    record, changed = inputs.GradRecord.record, inputs.GradRecord.changed
+    inputs.GradRecord.record = lambda self, items: None  # type: ignore[method-assign]
+    inputs.GradRecord.changed = lambda self, grad_of, indices: []  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        inputs.GradRecord.record, inputs.GradRecord.changed = record, changed  # type: ignore[method-assign]
+
+
 def run_variant(
+    variant: str, model: torch.nn.Module, initial: dict[str, torch.Tensor], batch: int, args: argparse.Namespace
+) -> tuple[list[float], int, Any, float, float]:
+    with checks_off(variant):
+        return _run_variant(variant, model, initial, batch, args)
+
+
+def _run_variant(
     variant: str, model: torch.nn.Module, initial: dict[str, torch.Tensor], batch: int, args: argparse.Namespace
 ) -> tuple[list[float], int, Any, float, float]:
     """Per-iteration seconds (steady state), the peak memory, the optimizer (to read its plan), the median host
@@ -357,15 +383,16 @@ def exact_check(model: torch.nn.Module, initial: dict[str, torch.Tensor], args: 
         torch.backends.cuda.enable_mem_efficient_sdp(False)
         torch.backends.cuda.enable_cudnn_sdp(False)
     finals: dict[str, list[torch.Tensor]] = {}
-    references = ("sync", "sync-noclip") if args.compile else ("resident", "resident-noclip")
+    references = ("resident", "resident-noclip")  # compiled too: the wrapper adds nothing to the graphs
     try:
         for variant in dict.fromkeys((*args.variants, *references)):
             model.load_state_dict(initial)
             opt = make_optimizer(variant, model, args)
             forward = compiled(model, args)
-            for ids in batches_of(7, args.exact_steps, args.exact_batch, args, device):
-                iterate(model, opt, ids, variant not in NO_CLIP, forward)
-            opt.wait_step()
+            with checks_off(variant):
+                for ids in batches_of(7, args.exact_steps, args.exact_batch, args, device):
+                    iterate(model, opt, ids, variant not in NO_CLIP, forward)
+                opt.wait_step()
             finals[variant] = [_local(p.detach()).cpu() for p in model.parameters()]
             del opt
             gc.collect()
@@ -380,9 +407,7 @@ def exact_check(model: torch.nn.Module, initial: dict[str, torch.Tensor], args: 
         ref = finals[references[1] if v in NO_CLIP else references[0]]
         return all(torch.equal(a, b) for a, b in zip(ref, finals[v], strict=True))
 
-    # Ours only: under --compile the resident loop compiles without the hooks' graph breaks, so Inductor fuses
-    # (and rounds) it differently; its bits are not what the wrapper promises there.
-    return {v: same(v) for v in args.variants if v != "resident" and (v not in references or v.startswith("sync"))}
+    return {v: same(v) for v in args.variants if v not in references}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -422,9 +447,10 @@ def main() -> int:
     parser.add_argument("--trace", type=Path, metavar="DIR", help="write a profiler trace of each variant to DIR")
     args = parser.parse_args()
     args.variants = tuple(v for v in args.variants.split(",") if v) + (PEERS if args.peers else ())
-    unknown = [v for v in args.variants if v not in (*VARIANTS, *AUTO, *PEERS)]
+    known = (*VARIANTS, *AUTO, *UNCHECKED, *PEERS)
+    unknown = [v for v in args.variants if v not in known]
     if unknown:
-        parser.error(f"unknown variants {unknown}: choose from {', '.join((*VARIANTS, *AUTO, *PEERS))}")
+        parser.error(f"unknown variants {unknown}: choose from {', '.join(known)}")
     if "resident" not in args.variants:
         parser.error("--variants must include resident: every other variant's time is against it")
     if (args.compile or args.fsdp2) and any(v in PEERS for v in args.variants):
@@ -464,7 +490,7 @@ def main() -> int:
     print(
         "bitwise check skipped (--skip-exact)"
         if args.skip_exact
-        else f"bitwise equal to the {'compiled sync' if args.compile else 'resident'} run (deterministic kernels, "
+        else f"bitwise equal to the resident run (deterministic kernels, "
         f"batch {args.exact_batch}, {args.exact_steps} steps): "
         + ", ".join(f"{v} {'yes' if ok else 'NO'}" for v, ok in exact.items())
     )

@@ -1,0 +1,250 @@
+"""torchtitan's own training step with the wrapper: which share of the resident iterations/s each mode keeps.
+
+Question: in torchtitan's loop (its Llama 3, ``parallelize_llama`` with selective activation checkpointing, each block
+compiled, FSDP2; ``build_optimizers``, its LR schedule, its loss and its ``clip_grad_norm_`` in every step), what does
+offloading the optimizer state cost?
+
+Workload: torchtitan 0.2's Llama 3 (the API this script speaks; the GPU's torch 2.11 runs 0.2.2), bf16 params with fp32
+masters in the wrapper (resident: FSDP2's fp32 shards, bf16 compute), fused AdamW, world size 1 (NCCL). Variants, in
+one process, each against the resident loop of the same run:
+    resident      torchtitan's AdamW in its OptimizersContainer, state on the GPU;
+    sync          chunked_offload.torchtitan.wrap_optimizers(container), with torchtitan's clip;
+    overlap       the same with overlap=True (each compiled block gated at its boundary);
+    overlap-auto  overlap=True, gpu_budget_mb="auto": what the GPU has room for stays resident;
+    backward      step_in_backward=True, without the clip (with it, the first step() refuses: test_torchtitan.py).
+Reported: s/iter (median of the timed iterations, p20/p80), the share of the resident iterations/s kept, and the peak
+memory. The bitwise check runs each variant for a few steps in deterministic mode (torchtitan's debug.deterministic)
+against the synchronous wrapper with the same clip choice (bf16 shards with fp32 masters are another recipe than
+FSDP2's fp32 shards; tests/ check the wrapper against plain fp32-master loops), and that against itself as the
+control.
+
+Commands:
+    python3 benchmarks/bench_titan.py                                  # ~1 B params at 16 x 2048 on a GPU
+    python3 benchmarks/bench_titan.py --batch 16 --csv benchmarks/results/bench_titan_h200.csv
+Wheels for the GPU (torchtitan 0.2.2 and what it imports beyond the image): scripts/titan-prepare.sh.
+Exits nonzero if a variant is not bitwise equal to the resident run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import Recorder, Stats, device_name, git_sha  # noqa: E402
+
+VARIANTS = ("resident", "sync", "overlap", "overlap-auto", "backward")
+
+
+def job_config(args: argparse.Namespace, deterministic: bool) -> Any:
+    from torchtitan.config import JobConfig
+
+    job = JobConfig()
+    job.training.local_batch_size = args.batch
+    job.training.seq_len = args.seq
+    job.training.max_norm = 1.0
+    job.training.mixed_precision_param = "bfloat16"
+    job.training.mixed_precision_reduce = "float32"
+    job.compile.enable = not args.no_compile
+    job.compile.components = ["model"]
+    job.activation_checkpoint.mode = "selective"
+    job.activation_checkpoint.selective_ac_option = "op"
+    job.optimizer.lr = 3e-4
+    job.optimizer.implementation = "fused"
+    job.lr_scheduler.warmup_steps = 2
+    job.debug.deterministic = deterministic
+    job.debug.seed = 0
+    return job
+
+
+def build(args: argparse.Namespace, deterministic: bool, master_dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
+    """torchtitan's Llama 3 (``master_dtype`` shards), parallelized by torchtitan, and its optimizer container."""
+    from torchtitan.components.optimizer import build_optimizers
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.llama3.infra.parallelize import parallelize_llama
+    from torchtitan.models.llama3.model.args import TransformerModelArgs
+    from torchtitan.models.llama3.model.model import Transformer
+
+    job = job_config(args, deterministic)
+    dims = ParallelDims(dp_shard=1, dp_replicate=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dist_utils.set_determinism(dims, device, job.debug, distinct_seed_mesh_dims=["pp"])
+    model_args = TransformerModelArgs(
+        dim=args.dim, n_layers=args.layers, n_heads=args.heads, n_kv_heads=args.kv_heads, vocab_size=args.vocab,
+        multiple_of=256, ffn_dim_multiplier=1.3, rope_theta=500000,
+    )  # fmt: skip
+    model_args.update_from_config(job)
+    with torch.device("meta"):
+        torch.set_default_dtype(master_dtype)
+        try:
+            model = Transformer(model_args)
+        finally:
+            torch.set_default_dtype(torch.float32)
+    model = parallelize_llama(model, dims, job)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        torch.manual_seed(0)
+        model.init_weights(buffer_device=None)
+    model.train()
+    return model, build_optimizers([model], job.optimizer, dims)
+
+
+def make(variant: str, args: argparse.Namespace, deterministic: bool = False) -> tuple[torch.nn.Module, Any, Any]:
+    from torchtitan.components.lr_scheduler import build_lr_schedulers
+
+    from chunked_offload.torchtitan import wrap_optimizers
+
+    model, optimizers = build(args, deterministic, torch.float32 if variant == "resident" else torch.bfloat16)
+    if variant != "resident":
+        mode = variant.removesuffix("-auto")
+        wrap_optimizers(
+            optimizers, [model], chunk_size_mb=args.chunk_mb, num_slots=args.num_slots, master_weights="fp32",
+            overlap=mode == "overlap", step_in_backward=mode == "backward",
+            gpu_budget_mb="auto" if variant.endswith("-auto") else None,
+        )  # fmt: skip
+    job = job_config(args, deterministic)
+    return model, optimizers, build_lr_schedulers(optimizers, job.lr_scheduler, args.warmup + args.iters)
+
+
+def train_step(model: torch.nn.Module, optimizers: Any, schedulers: Any, tokens: torch.Tensor, clip: bool) -> None:
+    """torchtitan's train_step for one micro-batch: zero_grad, forward, its loss, backward, its clip, step, LR."""
+    from torchtitan.components.loss import cross_entropy_loss
+    from torchtitan.distributed import utils as dist_utils
+
+    optimizers.zero_grad()
+    pred = model(tokens[:, :-1])
+    loss = cross_entropy_loss(pred, tokens[:, 1:])
+    del pred
+    loss.backward()
+    if clip:
+        dist_utils.clip_grad_norm_([p for p in model.parameters()], 1.0, foreach=True)
+    optimizers.step()
+    schedulers.step()
+
+
+def batches(args: argparse.Namespace, count: int, device: torch.device) -> list[torch.Tensor]:
+    gen = torch.Generator(device=device).manual_seed(1)
+    return [
+        torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen, device=device) for _ in range(count)
+    ]
+
+
+def timed(variant: str, args: argparse.Namespace) -> tuple[list[float], int]:
+    model, optimizers, schedulers = make(variant, args)
+    device = next(model.parameters()).device
+    data = batches(args, args.warmup + args.iters, device)
+    clip = variant != "backward"
+    for tokens in data[: args.warmup]:
+        train_step(model, optimizers, schedulers, tokens, clip)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    seconds = []
+    for tokens in data[args.warmup :]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        train_step(model, optimizers, schedulers, tokens, clip)
+        for opt in getattr(optimizers, "optimizers", []):
+            if hasattr(opt, "wait_step"):
+                opt.wait_step()
+        end.record()
+        torch.cuda.synchronize()
+        seconds.append(start.elapsed_time(end) / 1e3)
+    peak = torch.cuda.max_memory_allocated()
+    del model, optimizers, schedulers
+    gc.collect()
+    torch.cuda.empty_cache()
+    return seconds, peak
+
+
+def exact(variant: str, args: argparse.Namespace, clip: bool = True) -> bool:
+    """A few deterministic steps of ``variant`` against the synchronous wrapper (bf16 shards, fp32 masters: checked
+    against plain fp32-master loops in tests/) with the same clip choice, bitwise."""
+    clip = clip and variant != "backward"
+    params = []
+    for v in ("sync", variant):
+        model, optimizers, schedulers = make(v, args, deterministic=True)
+        for tokens in batches(args, args.exact_steps, next(model.parameters()).device):
+            train_step(model, optimizers, schedulers, tokens, clip)
+        for opt in getattr(optimizers, "optimizers", []):
+            if hasattr(opt, "synchronize"):
+                opt.synchronize()
+        params.append([p.detach().to_local().to(torch.bfloat16) if hasattr(p, "to_local") else p.detach()
+                       for p in model.parameters()])  # fmt: skip
+        del model, optimizers, schedulers
+        gc.collect()
+        torch.cuda.empty_cache()
+    return all(torch.equal(a, b) for a, b in zip(*params, strict=True))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dim", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=6)
+    parser.add_argument("--exact-steps", type=int, default=3)
+    parser.add_argument("--chunk-mb", type=float, default=1024.0)
+    parser.add_argument("--num-slots", type=int, default=3)
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--skip-exact", action="store_true")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--csv", type=Path)
+    args = parser.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
+    if not torch.cuda.is_available():
+        print("bench_titan needs a GPU (torchtitan's kernels and FSDP2 over NCCL)")
+        return 0
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    device = torch.device("cuda", 0)
+    import torchtitan
+
+    print(
+        f"{device_name(device)}, torch {torch.__version__}, torchtitan {getattr(torchtitan, '__version__', '?')}, "
+        f"commit {git_sha()}: Llama 3 dim {args.dim}, {args.layers} layers, {args.batch} x {args.seq} tokens, "
+        f"chunk {args.chunk_mb:g} MB x {args.num_slots}, compile {not args.no_compile}"
+    )
+    recorder = Recorder(device)
+    ok = True
+    if not args.skip_exact:
+        control = exact("sync", args)
+        print(f"control: sync against itself, deterministic: {'bitwise' if control else 'DIFFERS'}")
+        for v in [v for v in variants if v not in ("resident", "sync")]:
+            same = exact(v, args)
+            ok = ok and same
+            print(f"bitwise {v}: {'yes' if same else 'NO'}")
+    results = {v: timed(v, args) for v in variants}
+    base = statistics.median(results["resident"][0])
+    print(f"{'variant':14s} {'s/iter':>8s} {'p20':>8s} {'p80':>8s} {'kept':>7s} {'peak GiB':>9s}")
+    for v, (seconds, peak) in results.items():
+        q = statistics.quantiles(seconds, n=5) if len(seconds) > 1 else [seconds[0]] * 4
+        med = statistics.median(seconds)
+        print(f"{v:14s} {med:8.4f} {q[0]:8.4f} {q[3]:8.4f} {base / med:7.1%} {peak / 2**30:9.2f}")
+        workload = f"titan-{args.batch}x{args.seq}"
+        recorder.add(workload, v, "s_per_iter", Stats(med, q[0], q[3]))
+        recorder.add(workload, v, "kept", base / med)
+        recorder.add(workload, v, "peak_bytes", peak)
+    if args.csv is not None:
+        recorder.write(args.csv)
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
