@@ -219,7 +219,7 @@ def test_a_growth_without_device_memory_stays_put_and_says_so(
     with caplog.at_level(logging.WARNING, logger="chunked_offload.budget"):
         for k in range(4):
             _step_both(ref, ref_params, opt, params, k)
-    assert opt.plan.resident_nbytes == 0 and opt._placement.options.gpu_budget_mb is None
+    assert opt.plan.resident_nbytes == 0 and opt._placement.options.gpu_budget is None
     assert [r.levelname for r in caplog.records] == ["WARNING"]  # tried once, then no more
     _assert_same(ref, ref_params, opt, params)
 
@@ -235,7 +235,7 @@ def test_a_replan_that_fails_otherwise_propagates_and_the_next_step_tries_again(
     set_grads(params, make_grads(params, 1))
     with pytest.raises(RuntimeError, match="injected"):
         opt.step()  # before anything of the step: the params and state are as after step 0
-    assert opt.plan.resident_nbytes == 0 and opt._placement.options.gpu_budget_mb is None
+    assert opt.plan.resident_nbytes == 0 and opt._placement.options.gpu_budget is None
     armed.clear()
     opt.step()  # the same grads again: re-plans, then steps
     opt.zero_grad()

@@ -526,12 +526,15 @@ def test_stats_count_the_bytes_of_each_step() -> None:
     assert opt.stats is not None and opt.stats.chunks == 0
 
 
-def test_construction_logs_the_plan_and_each_step_logs_a_debug_line(caplog: pytest.LogCaptureFixture) -> None:
+def test_construction_logs_one_info_line_the_plan_at_debug_and_each_step_a_debug_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     with caplog.at_level(logging.DEBUG, logger="chunked_offload"):
         _, _, opt, params = _pair()
         run_steps(opt, params, 2)
-    infos = [r for r in caplog.records if r.levelno == logging.INFO]
-    assert any("ChunkPlan:" in r.getMessage() for r in infos)
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len(infos) == 1 and "window bound" in infos[0] and "\n" not in infos[0]
+    assert any("ChunkPlan:" in r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG)
     steps = [
         r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and r.getMessage().startswith("step:")
     ]

@@ -13,8 +13,11 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "chunked_offload"
 # Lowest first: a module may import only modules before it.
 ORDER = [
     "notices",
+    "mode",
+    "streams",
     "planner",
     "host_arena",
+    "storage",
     "masters",
     "adapters.base",
     "adapters.torch_optim",
@@ -31,7 +34,7 @@ ORDER = [
     "transfer",
     "telemetry",
     "stepping",
-    "overlap",
+    "gate",
     "phase",
     "pipeline",
     "placement",
@@ -44,6 +47,7 @@ ORDER = [
     "compiled",
     "hooks",
     "state_dict",
+    "wiring",
     "optimizer",
     "torchtitan",
     "",  # the package's __init__

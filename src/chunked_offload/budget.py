@@ -88,19 +88,19 @@ class AutoBudget:
       memory is logged and not tried again, anything else propagates.
 
     Args:
-        placement: owns the layout; its ``options.gpu_budget_mb`` is what this class sets.
-        headroom_mb: MiB left free beside the measured peak ([Note: Headroom]).
+        placement: owns the layout; its budget (``Placement.set_budget``) is what this class sets.
+        headroom: bytes left free beside the measured peak ([Note: Headroom]).
         read: reads the device's memory (tests pass their own).
     """
 
     def __init__(
         self,
         placement: Placement,
-        headroom_mb: float,
+        headroom: int,
         read: Callable[[torch.device], MemoryReading | None] = read_device_memory,
     ) -> None:
         self.placement = placement
-        self.headroom = int(headroom_mb * _MIB)
+        self.headroom = headroom
         self.read = read
         self.checked = -1  # the number of steps opened when the memory was last read
         self.usage = 0  # the training's own peak, U
@@ -129,12 +129,11 @@ class AutoBudget:
         elif not self.may_grow or room - resident < plan.slot_nbytes or not plan.chunks:
             return
         budget = room + plan.window_bound_nbytes
-        before, planned = plan.resident_nbytes, placement.options.gpu_budget_mb
-        placement.options.gpu_budget_mb = budget / _MIB
+        before, planned = plan.resident_nbytes, placement.set_budget(budget)
         try:
             placement.sync(force=True)  # builds the new homes first: on failure the old layout stays installed
         except BaseException as exc:
-            placement.options.gpu_budget_mb = planned
+            placement.set_budget(planned)
             if growing and isinstance(exc, torch.OutOfMemoryError):
                 self.may_grow = False  # the estimate was wrong: stay where it is
                 logger.warning("gpu_budget_mb='auto': no device memory for %.0f MiB of resident state; stays at "
@@ -154,9 +153,10 @@ class AutoBudget:
         )  # fmt: skip
 
 
-def auto_budget(placement: Placement, headroom_mb: float | None, notices: Notices) -> AutoBudget | None:
-    """The budget of ``gpu_budget_mb="auto"`` (None without it); without a GPU it has nothing to fill, and says so."""
-    if headroom_mb is None:
+def auto_budget(placement: Placement, headroom: int | None, notices: Notices) -> AutoBudget | None:
+    """The budget of ``gpu_budget_mb="auto"`` (None without it, ``headroom`` in bytes); without a GPU it has nothing
+    to fill, and says so."""
+    if headroom is None:
         return None
     if placement.device.type != "cuda":
         notices.warn(
@@ -164,4 +164,4 @@ def auto_budget(placement: Placement, headroom_mb: float | None, notices: Notice
             f"gpu_budget_mb='auto' does nothing with params on {placement.device}: it fills free GPU memory with "
             "resident state. Leave it out on the CPU",
         )
-    return AutoBudget(placement, headroom_mb)
+    return AutoBudget(placement, headroom)

@@ -68,6 +68,11 @@ def check_options(
         raise TypeError(f"overlap must be True or False, got {overlap!r}")
     if not isinstance(step_in_backward, bool):
         raise TypeError(f"step_in_backward must be True or False, got {step_in_backward!r}")
+    if overlap and step_in_backward:
+        raise ValueError(
+            "pass overlap=True or step_in_backward=True, not both: they are two ways to hide the step (the next "
+            "forward overlaps it, or the backward runs it); docs/tuning.md says which fits which loop"
+        )
     if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
         raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
     if pin_memory is not None and not isinstance(pin_memory, bool):

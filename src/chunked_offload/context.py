@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from .adapters import Adapter
-from .overlap import StepGate
+from .gate import StepGate
 from .placement import Placement
 from .telemetry import StepRecord
 from .transfer import TransferEngine

@@ -13,23 +13,16 @@ import torch
 
 from . import state_dict as checkpoint
 from .adapters import Adapter, resolve_adapter
-from .budget import auto_budget, budget_options
+from .budget import budget_options
 from .checks import check_inner, check_master_mode, check_options, check_sharding, check_wrappable, common_device
-from .context import StepContext, scaler_tensors
-from .hooks import AttachHandle, HookSet, attach, opaque, weak_callback
+from .context import scaler_tensors
+from .hooks import AttachHandle, attach, opaque
 from .masters import MasterMode
-from .notices import Notices
-from .overlap import StepGate
-from .phase import Phase, PhaseMachine
-from .pipeline import ChunkPipeline
-from .placement import Placement, PlanOptions
+from .phase import Phase
 from .planner import ChunkPlan
-from .runner import StepRunner
-from .schedule import StepSchedule
-from .staging import StagingPool
-from .state_table import StateBinding
 from .telemetry import StepStats
-from .transfer import MoveHandle, TransferEngine
+from .transfer import MoveHandle
+from .wiring import Options, build_parts
 
 __all__ = ["ChunkedOffloadOptimizer"]
 
@@ -98,20 +91,19 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
     ) -> None:
         check_inner(inner, ChunkedOffloadOptimizer)
         # What a copy of the wrapper is built with (__reduce_ex__), checked here.
-        self._options = dict(
+        self._options: dict[str, Any] = dict(
             chunk_size_mb=chunk_size_mb, offload_fraction=offload_fraction, num_slots=num_slots, overlap=overlap,
             master_weights=master_weights, gpu_budget_mb=gpu_budget_mb, step_in_backward=step_in_backward,
             gpu_headroom_mb=gpu_headroom_mb,
         )  # fmt: skip
         check_options(**self._options, pin_memory=pin_memory)
         check_wrappable(inner)
-        mode = MasterMode(master_weights)
         self._inner = inner
         self._adapter, self._adapter_given = resolve_adapter(inner, adapter), adapter is not None
         self._adapter.check_config()
         check_sharding(inner.param_groups, self._adapter)
         self.device = common_device(inner)
-        check_master_mode(inner, self._adapter, mode)
+        check_master_mode(inner, self._adapter, MasterMode(master_weights))
         if pin_memory and self.device.type != "cuda":
             raise ValueError(f"pin_memory=True needs params on a CUDA device, but they are on {self.device}")
 
@@ -123,45 +115,18 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         self._warned_capturable_if_run_uncaptured = True
         self._step_supports_amp_scaling = getattr(inner, "_step_supports_amp_scaling", False)
 
+        options = Options.parse(self.device, pin_memory=pin_memory, **self._options)
         self.overlap, self.step_in_backward, self.num_slots = overlap, step_in_backward, num_slots
         self.chunk_size_mb = float(chunk_size_mb)  # these options are read-only: they shaped the parts below
-        self.offload_fraction = 1.0 if offload_fraction is None else float(offload_fraction)
+        self.offload_fraction = options.plan.offload_fraction
         budget_mb, self.gpu_headroom_mb = budget_options(gpu_budget_mb, gpu_headroom_mb)
         self.gpu_budget_mb: float | str | None = budget_mb if self.gpu_headroom_mb is None else "auto"
-        self._mode = mode
-        self._notices = Notices()
-        self._phase = PhaseMachine()
-        self._engine = TransferEngine(self.device)
-        self._pool = StagingPool(num_slots, self.device)
-        self._gate = StepGate(self.device, overlap or step_in_backward)
-        self._pipeline = ChunkPipeline(self._engine, self._pool, self._gate)
-        self._hooks = HookSet(step_in_backward)
-        # No part holds a strong reference back to the wrapper or the runner: a cycle would keep them (and the
-        # arena's page-locked memory) alive until the garbage collector runs, not until the wrapper is dropped.
-        pipeline, phase = self._pipeline, self._phase
-
-        def before_home_write() -> None:
-            target = runner_ref()
-            if target is not None:
-                target.flush()  # a deferred chunk must not stage what the caller writes after the step
-            pipeline.before_home_write()
-
-        self._binding = StateBinding(before_home_write, self._adapter.is_offloaded, lambda: phase.stepping)
-        options = PlanOptions(self.chunk_size_mb, num_slots, self.offload_fraction, budget_mb)  # "auto": offloaded
-        self._placement = Placement(
-            inner, self._adapter, mode, options,
-            device=self.device, pin=self.device.type == "cuda" if pin_memory is None else pin_memory,
-            binding=self._binding, pipeline=self._pipeline, gate=self._gate, phase=self._phase,
-            on_install=weak_callback(self._hooks.on_install),  # grad hooks on the params of each new layout
-        )  # fmt: skip
-        self._context = StepContext(inner, self._adapter, self._placement, self._gate, self._engine)
-        self._schedule = StepSchedule(self._pipeline, self._phase, self._adapter, self.device)
-        self._runner = StepRunner(
-            inner, self._adapter, self._placement, self._context, self._schedule, self._phase, self._notices,
-            overlap=overlap, step_in_backward=step_in_backward, post_hooks=self._optimizer_step_post_hooks,
-            budget=auto_budget(self._placement, self.gpu_headroom_mb, self._notices),
-        )  # fmt: skip
-        runner_ref = self._hooks.runtime = weakref.ref(self._runner)
+        self._mode = options.masters
+        parts = build_parts(inner, self._adapter, self.device, options, self._optimizer_step_post_hooks)
+        self._notices, self._phase, self._engine, self._pool = parts.notices, parts.phase, parts.engine, parts.pool
+        self._gate, self._pipeline, self._hooks, self._binding = parts.gate, parts.pipeline, parts.hooks, parts.binding
+        self._placement, self._context, self._schedule = parts.placement, parts.context, parts.schedule
+        self._runner = parts.runner
         # A wrapper dropped with deferred chunks still updates its params: they are enqueued, and land, before the
         # parts go; then its hooks come off the model and the params (the finalizer holds neither the wrapper nor
         # anything that holds it, so dropping the last reference runs it).
@@ -173,7 +138,8 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         except BaseException:
             inner.state = original_state  # nothing was copied anywhere: the inner is as it was
             raise
-        logger.info("%s\n%s", self, self.plan.summary())
+        logger.info("%s, window bound %.1f MiB", self, self.plan.window_bound_nbytes / 2**20)
+        logger.debug("%s", self.plan.summary())
 
     # ------------------------------------------------------------------ the inner optimizer's objects
     @property

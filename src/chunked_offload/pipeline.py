@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .gate import StepGate
 from .layout import Layout, Views, chunk_views
-from .overlap import StepGate
 from .planner import Chunk, Home, Role
 from .staging import Slot, SlotState, StagingPool
 from .stepping import ChunkHooks, ChunkStepper, ChunkTxn

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -12,6 +12,7 @@ import torch
 from .adapters import Adapter, check_groups
 from .checks import check_params, check_sharding
 from .dtensor import local
+from .gate import StepGate
 from .layout import (
     IncompatibleStateError,
     Layout,
@@ -23,7 +24,6 @@ from .layout import (
     stale_reason,
 )
 from .masters import MasterMode, needs_master, read_master, write_master
-from .overlap import StepGate
 from .phase import Phase, PhaseMachine
 from .pipeline import ChunkPipeline
 from .planner import ChunkPlan
@@ -38,14 +38,14 @@ logger = logging.getLogger(__name__)
 _MIB = 2**20
 
 
-@dataclass
+@dataclass(frozen=True)
 class PlanOptions:
-    """What the chunk plan is made from, besides the params and their state (the wrapper's options)."""
+    """What the chunk plan is made from, besides the params and their state (the wrapper's options, in bytes)."""
 
-    chunk_size_mb: float
+    chunk_bytes: int
     num_slots: int
     offload_fraction: float
-    gpu_budget_mb: float | None
+    gpu_budget: int | None  # device bytes the wrapper may hold; None: by ``offload_fraction``
 
 
 @dataclass
@@ -112,6 +112,12 @@ class Placement:
         self.layout: Layout | None = None
         self.last_move = MoveHandle()
 
+    def set_budget(self, budget: int | None) -> int | None:
+        """Plan with ``budget`` device bytes from the next re-plan on; returns the budget it replaces."""
+        before = self.options.gpu_budget
+        self.options = replace(self.options, gpu_budget=budget)
+        return before
+
     @property
     def engine(self) -> TransferEngine:
         return self.pipeline.engine
@@ -177,10 +183,10 @@ class Placement:
             groups,
             self.adapter,
             self.mode,
-            chunk_bytes=max(1, int(options.chunk_size_mb * _MIB)),
+            chunk_bytes=options.chunk_bytes,
             num_slots=options.num_slots,
             offload_fraction=options.offload_fraction,
-            gpu_budget=None if options.gpu_budget_mb is None else int(options.gpu_budget_mb * _MIB),
+            gpu_budget=options.gpu_budget,
         )
         signatures = [self.adapter.layout_signature(dict(g)) for g in groups]
         old = self.layout

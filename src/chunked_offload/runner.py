@@ -18,10 +18,11 @@ from .budget import AutoBudget
 from .checks import check_grads
 from .context import StepContext, skipped_by_scaler
 from .dtensor import local
+from .gate import StepGate
 from .in_backward import BackwardOrder, BackwardStep
 from .inputs import GradRecord, GroupSnapshot
+from .mode import StepMode
 from .notices import Notices, warn
-from .overlap import StepGate
 from .phase import Phase, PhaseMachine
 from .pipeline import ChunkPipeline
 from .placement import Placement
@@ -61,8 +62,7 @@ class StepRunner:
         schedule: the ordered driver.
         phase: the wrapper's phase.
         notices: one-time warnings.
-        overlap: whether steps overlap the caller's stream.
-        step_in_backward: whether the backward pass steps.
+        mode: how steps run beside the caller's code.
         post_hooks: the wrapper's own step post-hooks (a step does not defer while any post-hook is registered).
         budget: with ``gpu_budget_mb="auto"``, re-plans the resident share before a step ([Note: Auto budget]).
     """
@@ -77,8 +77,7 @@ class StepRunner:
         phase: PhaseMachine,
         notices: Notices,
         *,
-        overlap: bool,
-        step_in_backward: bool,
+        mode: StepMode,
         post_hooks: Mapping[int, Any],
         budget: AutoBudget | None = None,
     ) -> None:
@@ -89,15 +88,16 @@ class StepRunner:
         self.schedule = schedule
         self.phase = phase
         self.notices = notices
-        self.overlap = overlap
-        self.step_in_backward = step_in_backward
+        self.mode = mode
+        self.overlap = mode is StepMode.OVERLAP
+        self.step_in_backward = mode is StepMode.IN_BACKWARD
         self.post_hooks = post_hooks
         self.budget = budget
         self.opened = 0  # steps opened so far
         self.last_step: StepRecord | None = None
         self.backward: BackwardStep | None = None  # while IN_BACKWARD
         self.order = BackwardOrder()  # [Note: Backward order]
-        self.observing = step_in_backward  # [Note: Observed backward]: the next backward observes, steps nothing
+        self.observing = self.step_in_backward  # [Note: Observed backward]: the next backward observes, steps nothing
         self.observation: ObservedBackward | None = None
         self._groups_after: GroupSnapshot | None = None  # the groups as the last in-backward step left them
         self._suspended = 0  # inside step(closure): backward passes do not step

@@ -8,6 +8,7 @@ import torch
 from torch.autograd.profiler import record_function
 
 from .staging import Slot, SlotState
+from .streams import StreamContext
 
 __all__ = ["PIECE_BYTES", "MoveHandle", "TransferEngine"]
 
@@ -69,17 +70,15 @@ class TransferEngine:
     CPU) every copy is synchronous and every event is None, so the same calls run the same logic.
 
     Args:
-        device: the device the slots live on.
+        streams: the wrapper's streams ([Note: Streams] in streams.py).
     """
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.uses_streams = device.type == "cuda"
-        self.h2d_stream: torch.cuda.Stream | None = None
-        self.d2h_stream: torch.cuda.Stream | None = None
-        if self.uses_streams:
-            self.h2d_stream = torch.cuda.Stream(device)
-            self.d2h_stream = torch.cuda.Stream(device)
+    def __init__(self, streams: StreamContext) -> None:
+        self.streams = streams
+        self.device = streams.device
+        self.uses_streams = streams.uses_streams
+        self.h2d_stream = streams.h2d
+        self.d2h_stream = streams.d2h
         # The last D2H enqueued: every host view is current once it completes (the D2H stream is in order).
         self.last_d2h_event: torch.cuda.Event | None = None
         # Bumped whenever the homes may have been written or the slots reset: bytes staged before it are stale.

@@ -8,6 +8,9 @@ from typing import Any
 
 import torch
 
+from .mode import StepMode
+from .streams import StreamContext
+
 __all__ = ["StepGate"]
 
 
@@ -36,16 +39,13 @@ class StepGate:
     On the CPU, or with ``overlap=False``, there is no stream of its own and every wait is a no-op.
 
     Args:
-        device: the params' device.
-        enabled: whether steps overlap the caller's stream.
+        streams: the wrapper's streams ([Note: Streams] in streams.py).
+        mode: the wrapper's step mode.
     """
 
-    def __init__(self, device: torch.device, enabled: bool) -> None:
-        self.enabled = enabled
-        self.stream: torch.cuda.Stream | None = None
-        if enabled and device.type == "cuda":
-            # High priority: the next forward waits for this stream's kernels, so they go first when both have work.
-            self.stream = torch.cuda.Stream(device, priority=-1)
+    def __init__(self, streams: StreamContext, mode: StepMode) -> None:
+        self.enabled = mode.own_stream
+        self.stream = streams.step
         # param index -> the event after its last update; kept across steps: a param without a grad in this step
         # was last updated by an earlier one.
         self.ready: dict[int, torch.cuda.Event] = {}

@@ -1,0 +1,140 @@
+"""Wiring: a wrapper's parts, built from its checked options in the order they depend on each other."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .adapters import Adapter
+from .budget import auto_budget, budget_options
+from .context import StepContext
+from .gate import StepGate
+from .hooks import HookSet, weak_callback
+from .masters import MasterMode
+from .mode import StepMode
+from .notices import Notices
+from .phase import PhaseMachine
+from .pipeline import ChunkPipeline
+from .placement import Placement, PlanOptions
+from .runner import StepRunner
+from .schedule import StepSchedule
+from .staging import StagingPool
+from .state_table import StateBinding
+from .streams import StreamContext
+from .transfer import TransferEngine
+
+__all__ = ["Options", "Parts", "build_parts"]
+
+_MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Options:
+    """A wrapper's options, checked (``checks.check_options``), in the units the parts use.
+
+    Attributes:
+        plan: what the chunk plan is made from (bytes).
+        masters: the master-weights mode.
+        mode: the step mode.
+        pin: page-lock the host arena.
+        headroom: with ``gpu_budget_mb="auto"``, the bytes left free beside the measured peak; else None.
+    """
+
+    plan: PlanOptions
+    masters: MasterMode
+    mode: StepMode
+    pin: bool
+    headroom: int | None
+
+    @classmethod
+    def parse(
+        cls,
+        device: torch.device,
+        *,
+        chunk_size_mb: float,
+        offload_fraction: float | None,
+        num_slots: int,
+        pin_memory: bool | None,
+        master_weights: str,
+        gpu_budget_mb: float | str | None,
+        overlap: bool,
+        step_in_backward: bool,
+        gpu_headroom_mb: float | None,
+    ) -> Options:
+        budget_mb, headroom_mb = budget_options(gpu_budget_mb, gpu_headroom_mb)  # "auto": planned offloaded first
+        plan = PlanOptions(
+            chunk_bytes=max(1, int(chunk_size_mb * _MIB)),
+            num_slots=num_slots,
+            offload_fraction=1.0 if offload_fraction is None else float(offload_fraction),
+            gpu_budget=None if budget_mb is None else int(budget_mb * _MIB),
+        )
+        return cls(
+            plan=plan,
+            masters=MasterMode(master_weights),
+            mode=StepMode.of(overlap=overlap, step_in_backward=step_in_backward),
+            pin=device.type == "cuda" if pin_memory is None else pin_memory,
+            headroom=None if headroom_mb is None else int(headroom_mb * _MIB),
+        )
+
+
+@dataclass
+class Parts:
+    """The parts of one wrapper; none holds the wrapper, and none but the hooks holds the runner (weakly)."""
+
+    notices: Notices
+    phase: PhaseMachine
+    streams: StreamContext
+    engine: TransferEngine
+    pool: StagingPool
+    gate: StepGate
+    pipeline: ChunkPipeline
+    hooks: HookSet
+    binding: StateBinding
+    placement: Placement
+    context: StepContext
+    schedule: StepSchedule
+    runner: StepRunner
+
+
+def build_parts(
+    inner: torch.optim.Optimizer,
+    adapter: Adapter,
+    device: torch.device,
+    options: Options,
+    post_hooks: Mapping[int, Any],
+) -> Parts:
+    """Build the parts, bottom up; the layout is installed by the caller."""
+    notices, phase = Notices(), PhaseMachine()
+    streams = StreamContext(device, options.mode)
+    engine = TransferEngine(streams)
+    pool = StagingPool(options.plan.num_slots, device)
+    gate = StepGate(streams, options.mode)
+    pipeline = ChunkPipeline(engine, pool, gate)
+    hooks = HookSet(options.mode is StepMode.IN_BACKWARD)
+    runner_ref: weakref.ref[StepRunner] | None = None
+
+    def before_home_write() -> None:  # a cycle would keep the parts (and the host memory) alive until gc runs
+        target = runner_ref() if runner_ref is not None else None
+        if target is not None:
+            target.flush()  # a deferred chunk must not stage what the caller writes after the step
+        pipeline.before_home_write()
+
+    binding = StateBinding(before_home_write, adapter.is_offloaded, lambda: phase.stepping)
+    placement = Placement(
+        inner, adapter, options.masters, options.plan, device=device, pin=options.pin, binding=binding,
+        pipeline=pipeline, gate=gate, phase=phase, on_install=weak_callback(hooks.on_install),
+    )  # fmt: skip
+    context = StepContext(inner, adapter, placement, gate, engine)
+    schedule = StepSchedule(pipeline, phase, adapter, device)
+    runner = StepRunner(
+        inner, adapter, placement, context, schedule, phase, notices, mode=options.mode, post_hooks=post_hooks,
+        budget=auto_budget(placement, options.headroom, notices),
+    )  # fmt: skip
+    runner_ref = hooks.runtime = weakref.ref(runner)
+    return Parts(
+        notices, phase, streams, engine, pool, gate, pipeline, hooks, binding, placement, context, schedule, runner
+    )
