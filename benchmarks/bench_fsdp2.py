@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from chunked_offload import ChunkedOffloadOptimizer
 from common import ROOT, Recorder, measure_link
+from reference import internals
 
 MiB = 2**20
 
@@ -119,7 +120,7 @@ def train(model: Any, opt: Any, steps: range, rank: int, args: Any, device: torc
             start.record()
         t0 = time.perf_counter()
         opt.step()
-        engine = getattr(opt, "_engine", None)
+        engine = internals(opt).engine if isinstance(opt, ChunkedOffloadOptimizer) else None
         if cuda:
             if engine is not None and engine.d2h_stream is not None:
                 torch.cuda.current_stream().wait_stream(engine.d2h_stream)  # timed to the last byte written back

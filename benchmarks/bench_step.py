@@ -54,6 +54,7 @@ from common import (
     synchronize,
     time_calls,
 )
+from reference import internals
 
 MiB = 2**20
 # Bytes a wrapper-owned master adds each way per param: an fp32 master, or an int16 remainder plus one tie bit.
@@ -204,7 +205,7 @@ def run_variant(
         set_random_grads(params)
         call = opt.step
     first_peak = peak_extra_bytes(call, device)
-    engine = getattr(opt, "_engine", None)
+    engine = internals(opt).engine if isinstance(opt, ChunkedOffloadOptimizer) else None
     side = (engine.d2h_stream,) if engine is not None and engine.d2h_stream is not None else ()
     times = time_calls(call, device, args.warmup, args.iters, side)
     peak = peak_extra_bytes(call, device)
@@ -212,7 +213,8 @@ def run_variant(
     arena_floor = None
     if isinstance(opt, ChunkedOffloadOptimizer) and device.type == "cuda":
         opt.synchronize()
-        arena_floor = arena_duplex_seconds(opt._placement.require().arena, device)  # overwrites the host state
+        arena = internals(opt).placement.require().host.arena
+        arena_floor = arena_duplex_seconds(arena, device)  # overwrites the host state
     return Stats.of(times), first_peak, peak, final, build_s, arena_floor, opt
 
 

@@ -20,6 +20,15 @@ MATRIX_SHAPES: list[tuple[int, ...]] = [(7, 3), (33, 17), (64, 129), (1, 1), (40
 UNDER_SANITIZER = os.environ.get("CHUNKED_OFFLOAD_UNDER_SANITIZER") == "1"
 
 
+def internals(opt: Any) -> Any:
+    """A wrapper's parts (``chunked_offload.wiring.Parts``: ``schedule``, ``pool``, ``placement``, ``runner``...).
+
+    The one place where tests and benchmarks reach inside a wrapper (``tests/test_layering.py`` checks that no other
+    test reads the package's private names).
+    """
+    return opt._parts
+
+
 def make_params(
     shapes: Sequence[tuple[int, ...]],
     dtype: torch.dtype = torch.float32,
@@ -66,6 +75,48 @@ def run_steps(
             scheduler.step()
 
 
+class ResidentMasters:
+    """Resident fp32-master training, the loop ``master_weights="fp32"`` reproduces bitwise: a fresh inner optimizer
+    steps fp32 copies of the 16-bit params (others directly), and the params take the rounded result.
+
+    Optimizer-like (``step``, ``zero_grad``), over the params' grads; the tests' master references and
+    benchmarks/bench_train.py's resident variant run it.
+    """
+
+    def __init__(
+        self, params: Sequence[torch.Tensor], make_inner: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+    ) -> None:
+        self.params = list(params)
+        self.masters = [
+            torch.nn.Parameter(p.detach().float().clone()) if p.dtype in (torch.bfloat16, torch.float16) else p
+            for p in self.params
+        ]
+        self.inner = make_inner(list(self.masters))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        pairs = [(p, m) for p, m in zip(self.params, self.masters, strict=True) if m is not p]
+        for p, m in pairs:
+            m.grad = None if p.grad is None else p.grad.to(m.dtype)
+        self.inner.step()
+        if pairs:
+            torch._foreach_copy_([_local(p.detach()) for p, _ in pairs], [_local(m.detach()) for _, m in pairs])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for t in (*self.params, *self.masters):
+            t.grad = None
+
+    def wait_step(self) -> None:  # the wrapper's calls, for loops that run either
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def run_master_reference(
     make_inner: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
     params: Sequence[torch.nn.Parameter],
@@ -73,25 +124,10 @@ def run_master_reference(
     *,
     none_every: int = 0,
 ) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
-    """Resident fp32-master training: fp32 copies stepped by a fresh inner, params set from the masters.
-
-    Params of 16-bit dtype get an fp32 master; others are stepped directly. Returns the masters and the optimizer.
-    """
-    masters = [
-        torch.nn.Parameter(p.detach().float().clone()) if p.dtype in (torch.bfloat16, torch.float16) else p
-        for p in params
-    ]
-    opt = make_inner(list(masters))
-    for step in range(steps):
-        grads = make_grads(params, step, none_every=none_every)
-        for m, g in zip(masters, grads, strict=True):
-            m.grad = None if g is None else g.to(m.dtype)
-        opt.step()
-        for p, m in zip(params, masters, strict=True):
-            if m is not p:
-                p.data.copy_(m.detach())
-        opt.zero_grad(set_to_none=True)
-    return masters, opt
+    """``steps`` of :class:`ResidentMasters` with the reference grads; returns the masters and the inner optimizer."""
+    reference = ResidentMasters(params, make_inner)
+    run_steps(reference, params, steps, none_every=none_every)  # type: ignore[arg-type]
+    return reference.masters, reference.inner
 
 
 # Calls the soaks interleave that only the wrapper has (a plain optimizer does nothing in their place).
@@ -142,6 +178,30 @@ def assert_runs_match(
     assert_states_equal(ref, ref_params, opt, params)
 
 
+def adamw_pair(
+    **kwargs: Any,
+) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter], torch.optim.Optimizer, list[torch.nn.Parameter]]:
+    """A plain AdamW over ``ODD_SHAPES`` and a wrapper of another one over equal params (``kwargs``: its options;
+    ``chunk_size_mb`` 4 KiB unless given)."""
+    from chunked_offload import ChunkedOffloadOptimizer
+
+    ref_params, params = make_params(ODD_SHAPES), make_params(ODD_SHAPES)
+    ref = torch.optim.AdamW(ref_params, lr=1e-2)
+    kwargs.setdefault("chunk_size_mb", 4 / 1024)
+    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(params, lr=1e-2), **kwargs)
+    return ref, ref_params, opt, params
+
+
+def assert_pair_equal(
+    ref: torch.optim.Optimizer, ref_params: Sequence[torch.Tensor], opt: Any, params: Sequence[torch.Tensor]
+) -> None:
+    """The wrapper's params and state equal the plain optimizer's, bitwise (after its step has landed)."""
+    opt.synchronize()
+    for i, (a, b) in enumerate(zip(ref_params, params, strict=True)):
+        assert_equal(a, b, f"param {i}")
+    assert_states_equal(ref, ref_params, opt, params)
+
+
 def partly_resident_adamw() -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter], torch.optim.Optimizer, Any]:
     """Eight 2048² fp32 params twice on the GPU: fused AdamW over the first copy, and the wrapper over fused AdamW on
     the second, 16 MB chunks and a budget of the plan's window plus four params' 32 MiB of state (the first four
@@ -166,17 +226,17 @@ def slowed_chunk_steps(cycles: int = 20_000_000) -> Iterator[None]:
     reader that does not wait for the step overtakes it."""
     from chunked_offload.stepping import ChunkStepper
 
-    original = ChunkStepper._narrowed_step
+    original = ChunkStepper.inner_step
 
     def slowed(self: Any, *args: Any, **kwargs: Any) -> Any:
         torch.cuda._sleep(cycles)
         return original(self, *args, **kwargs)
 
-    ChunkStepper._narrowed_step = slowed  # type: ignore[method-assign]
+    ChunkStepper.inner_step = slowed  # type: ignore[method-assign]
     try:
         yield
     finally:
-        ChunkStepper._narrowed_step = original  # type: ignore[method-assign]
+        ChunkStepper.inner_step = original  # type: ignore[method-assign]
 
 
 def settled_cuda_memory() -> int:

@@ -8,7 +8,16 @@ import pytest
 import torch
 
 from chunked_offload import ChunkedOffloadOptimizer, KeyedAdapter
-from reference import ODD_SHAPES, assert_equal, assert_states_equal, make_grads, make_params, run_steps, set_grads
+from reference import (
+    ODD_SHAPES,
+    assert_equal,
+    assert_states_equal,
+    internals,
+    make_grads,
+    make_params,
+    run_steps,
+    set_grads,
+)
 
 
 def _opt(**kwargs: Any) -> tuple[ChunkedOffloadOptimizer, list[torch.nn.Parameter]]:
@@ -72,7 +81,7 @@ def test_offload_and_reload_keep_the_run_exact() -> None:
     run_steps(ref, ref_params, 4)
     run_steps(opt, params, 2)
     opt.offload()
-    assert not opt._pool.allocated
+    assert not internals(opt).pool.allocated
     run_steps(opt, params, 1, first_step=2)  # steps reload on their own
     opt.offload()
     opt.reload()

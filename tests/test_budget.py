@@ -14,7 +14,7 @@ import torch
 
 from chunked_offload import ChunkedOffloadOptimizer
 from chunked_offload.budget import DEFAULT_HEADROOM_MB, MemoryReading
-from reference import assert_equal, assert_states_equal, make_grads, make_params, set_grads
+from reference import assert_equal, assert_states_equal, internals, make_grads, make_params, set_grads
 
 _KIB = 1 / 1024  # MiB
 _MIB = 2**20
@@ -27,7 +27,7 @@ class FakeDevice:
     def __init__(self, opt: ChunkedOffloadOptimizer, capacity: int, usage: int) -> None:
         self.opt, self.capacity, self.usage = opt, capacity, usage
         self.peak = 0
-        opt._runner.budget.read = self.read  # type: ignore[union-attr]
+        internals(opt).runner.budget.read = self.read  # type: ignore[union-attr]
 
     def read(self, device: torch.device) -> MemoryReading:
         plan = self.opt.plan
@@ -196,7 +196,7 @@ def test_every_iteration_mode_replans_between_steps_and_stays_bitwise(mode: str)
 
 def _failing_replans(opt: ChunkedOffloadOptimizer, monkeypatch: pytest.MonkeyPatch, error: BaseException) -> list:
     """Every forced re-plan raises ``error`` (before anything is installed) while the returned list is non-empty."""
-    placement = opt._placement
+    placement = internals(opt).placement
     original = placement.sync
     armed = [True]
 
@@ -219,7 +219,7 @@ def test_a_growth_without_device_memory_stays_put_and_says_so(
     with caplog.at_level(logging.WARNING, logger="chunked_offload.budget"):
         for k in range(4):
             _step_both(ref, ref_params, opt, params, k)
-    assert opt.plan.resident_nbytes == 0 and opt._placement.options.gpu_budget is None
+    assert opt.plan.resident_nbytes == 0 and internals(opt).placement.options.gpu_budget is None
     assert [r.levelname for r in caplog.records] == ["WARNING"]  # tried once, then no more
     _assert_same(ref, ref_params, opt, params)
 
@@ -235,7 +235,7 @@ def test_a_replan_that_fails_otherwise_propagates_and_the_next_step_tries_again(
     set_grads(params, make_grads(params, 1))
     with pytest.raises(RuntimeError, match="injected"):
         opt.step()  # before anything of the step: the params and state are as after step 0
-    assert opt.plan.resident_nbytes == 0 and opt._placement.options.gpu_budget is None
+    assert opt.plan.resident_nbytes == 0 and internals(opt).placement.options.gpu_budget is None
     armed.clear()
     opt.step()  # the same grads again: re-plans, then steps
     opt.zero_grad()

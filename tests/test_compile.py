@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
 
 from chunked_offload import ChunkedOffloadOptimizer
-from reference import assert_equal
+from reference import assert_equal, internals
 
 _KIB = 1 / 1024  # MiB
 WIDTH = 24
@@ -173,7 +173,7 @@ def _train(
         if hasattr(opt, "wait_step"):
             opt.wait_step()
     breaks = sum(counters["graph_break"].values())
-    joined = any(getattr(opt, "_gate", None) is not None and opt._gate.compiled_forward for opt in opts)
+    joined = any(internals(opt).gate.compiled_forward for opt in opts if isinstance(opt, ChunkedOffloadOptimizer))
     return [p.detach().clone() for p in model.parameters()], counters["stats"]["unique_graphs"], breaks, joined
 
 
@@ -238,8 +238,8 @@ def test_blocks_are_gated_whole_however_they_are_held(holder: str) -> None:
     model(x).sum().backward()
     opt.step()
     waited: list[list[int]] = []
-    original = opt._gate.wait_params
-    opt._gate.wait_params = lambda indices, streams=(): (waited.append(list(indices)), original(indices))[1]  # type: ignore
+    original = internals(opt).gate.wait_params
+    internals(opt).gate.wait_params = lambda indices, streams=(): (waited.append(list(indices)), original(indices))[1]  # type: ignore
     model(x)
     assert [len(w) for w in waited] == [2, 6, 6, 6, 2]  # a layer waits for its six params at once
     assert sorted(i for w in waited for i in w) == list(range(len(opt.plan.bundles)))

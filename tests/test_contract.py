@@ -16,6 +16,7 @@ from reference import (
     assert_equal,
     assert_runs_match,
     assert_states_equal,
+    internals,
     make_grads,
     make_params,
     run_steps,
@@ -75,7 +76,7 @@ def test_failed_first_step_leaves_no_state_and_a_usable_wrapper(after: bool, fra
         opt.step()
     assert "was rolled back" in "".join(getattr(info.value, "__notes__", []))
     assert len(opt.state) == 0  # no half-initialised entries (plain torch: zeros; garbage would be 3.4e38)
-    assert all(s.state.value == "free" for s in opt._pool.slots)
+    assert all(s.state.value == "free" for s in internals(opt).pool.slots)
     _assert_same(ref, ref_params, opt, params)  # nothing stepped
     assert_runs_match(ref, ref_params, opt, params, 5)  # the retry and later steps match plain torch
 
@@ -86,16 +87,16 @@ def test_interrupt_between_inner_step_and_write_back_rolls_the_chunk_back(monkey
 
     ref, ref_params, opt, params = _pair(lambda ps: torch.optim.AdamW(ps, lr=1e-2), chunk_size_mb=1024)
     assert_runs_match(ref, ref_params, opt, params, 3)
-    rescan = stepping.ChunkStepper._rescan
+    rescan = stepping.ChunkStepper.rescan
 
     def interrupted(self: Any, *args: Any, **kwargs: Any) -> Any:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(stepping.ChunkStepper, "_rescan", interrupted)
+    monkeypatch.setattr(stepping.ChunkStepper, "rescan", interrupted)
     set_grads(params, make_grads(params, 3))
     with pytest.raises(KeyboardInterrupt):
         opt.step()
-    monkeypatch.setattr(stepping.ChunkStepper, "_rescan", rescan)
+    monkeypatch.setattr(stepping.ChunkStepper, "rescan", rescan)
     _assert_same(ref, ref_params, opt, params)  # params, step counters and moments: none advanced
     assert_runs_match(ref, ref_params, opt, params, 3, first_step=3)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from chunked_offload import ChunkedOffloadOptimizer
-from reference import ODD_SHAPES, assert_equal, assert_states_equal, make_params, run_steps
+from reference import ODD_SHAPES, assert_equal, assert_states_equal, internals, make_params, run_steps
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "adamw": {},
@@ -57,7 +57,7 @@ def test_a_copy_continues_bitwise_like_the_original(config: str, how: str) -> No
     twin = _copy(opt, how)
     assert isinstance(twin, ChunkedOffloadOptimizer) and twin is not opt
     assert twin.plan == opt.plan and repr(twin) == repr(opt)
-    twin_arena, arena = twin._placement.require().arena, opt._placement.require().arena
+    twin_arena, arena = internals(twin).placement.require().host.arena, internals(opt).placement.require().host.arena
     assert twin_arena is not arena and twin_arena.nbytes == arena.nbytes
     twin_params = _params(twin)
     assert all(a is not b for a, b in zip(twin_params, params, strict=True))  # as a plain optimizer's copy

@@ -15,7 +15,16 @@ from chunked_offload.pipeline import ChunkPipeline
 from chunked_offload.staging import StagingPool
 from chunked_offload.stepping import ChunkStepper
 from chunked_offload.transfer import TransferEngine
-from reference import ODD_SHAPES, assert_equal, assert_states_equal, make_grads, make_params, run_steps, set_grads
+from reference import (
+    ODD_SHAPES,
+    assert_equal,
+    assert_states_equal,
+    internals,
+    make_grads,
+    make_params,
+    run_steps,
+    set_grads,
+)
 
 SHAPES = [*ODD_SHAPES, (9, 8), (30,)]
 
@@ -79,19 +88,19 @@ def _fault(monkeypatch: pytest.MonkeyPatch, point: str, target: int) -> Iterator
         monkeypatch.setattr(cls, name, patched)
 
     if point == "inner-before":
-        wrap(ChunkStepper, "_narrowed_step", "error")
+        wrap(ChunkStepper, "inner_step", "error")
     elif point == "inner-after":
-        wrap(ChunkStepper, "_narrowed_step", "error", after=True)
+        wrap(ChunkStepper, "inner_step", "error", after=True)
     elif point == "inner-interrupt":
-        wrap(ChunkStepper, "_narrowed_step", "interrupt", after=True)
+        wrap(ChunkStepper, "inner_step", "interrupt", after=True)
     elif point == "before-write-back":
-        wrap(ChunkStepper, "_rescan", "interrupt")
+        wrap(ChunkStepper, "rescan", "interrupt")
     elif point == "write-back":
         wrap(TransferEngine, "write_back", "interrupt")
     elif point == "h2d":
         wrap(ChunkPipeline, "stage", "oom")
     elif point == "fresh-alloc":
-        wrap(ChunkPipeline, "_step_fresh", "oom")
+        wrap(ChunkPipeline, "step_fresh", "oom")
     elif point == "slots":
 
         def acquire(self: StagingPool, nbytes: int) -> None:
@@ -160,8 +169,8 @@ def test_a_failed_step_commits_whole_chunks_and_a_retry_matches(
     ):
         opt.step()
 
-    assert all(slot.state.value == "free" and slot.buffer is None for slot in opt._pool.slots)
-    assert not opt._binding.stepping
+    assert all(slot.state.value == "free" and slot.buffer is None for slot in internals(opt).pool.slots)
+    assert not internals(opt).binding.stepping
     committed = _committed(info.value, len(chunks))
     stepped = {i for c in chunks[:committed] for i in c.params}
     grads = make_grads(twin_params, first)
@@ -193,7 +202,7 @@ def test_a_deferred_chunk_that_fails_in_the_forward_commits_whole_chunks(
     monkeypatch: pytest.MonkeyPatch, config: str, point: str, target: int
 ) -> None:
     """With overlap and attach, chunks after the first ``num_slots`` run from the next forward's hooks."""
-    from test_iteration import Chain
+    from test_deferred import Chain
 
     dtype = _dtype(config)
     params = make_params(SHAPES, dtype)
@@ -214,13 +223,13 @@ def test_a_deferred_chunk_that_fails_in_the_forward_commits_whole_chunks(
     with _fault(monkeypatch, point, target):
         opt.step()  # enqueues the first chunks only
         opt.zero_grad(set_to_none=True)
-        assert opt._schedule is not None and opt._schedule.deferred is not None
+        assert internals(opt).schedule is not None and internals(opt).schedule.deferred is not None
         with pytest.raises((Injected, KeyboardInterrupt, torch.OutOfMemoryError)) as info:
             chain()
 
-    assert opt._schedule.deferred is None and opt.phase is not Phase.DEFERRED
-    assert all(slot.state.value == "free" and slot.buffer is None for slot in opt._pool.slots)
-    assert not opt._binding.stepping
+    assert internals(opt).schedule.deferred is None and opt.phase is not Phase.DEFERRED
+    assert all(slot.state.value == "free" and slot.buffer is None for slot in internals(opt).pool.slots)
+    assert not internals(opt).binding.stepping
     assert all(p.grad is None for p in params)  # the step's grads were put back to what the caller left
     committed = _committed(info.value, len(chunks))
     assert committed >= opt.num_slots

@@ -44,10 +44,10 @@ class _Recorder(torch.optim.Optimizer):
 
 @pytest.fixture(autouse=True)
 def _fresh_probe_cache() -> Any:
-    generic._PROBES.clear()
+    generic.forget_probes()
     _Recorder.devices, _Recorder.instances = [], 0
     yield
-    generic._PROBES.clear()
+    generic.forget_probes()
 
 
 def test_probe_runs_on_the_params_device_once_per_configuration() -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from chunked_offload import ChunkedOffloadOptimizer, Phase
-from reference import assert_equal, assert_states_equal
+from reference import assert_equal, assert_states_equal, internals
 
 _KIB = 1 / 1024  # MiB
 
@@ -107,8 +107,8 @@ def test_the_last_chunks_write_back_is_held_until_the_host_copies_are_used(reade
     slot after the step; whatever reads or writes the host copies lands it first, and training stays bitwise."""
     plain, backward = _train("plain", steps=3), _train("backward", steps=3)
     pipeline, model, opt = backward[1]._pipeline, backward[0], backward[1]
-    assert pipeline._held is not None and 0 in pipeline._held[0].params  # the embedding: its grad is final last
-    assert [s for s in opt._pool.slots if s.buffer is not None] == [pipeline.held_slot]
+    assert (held := pipeline.held_chunk) is not None and 0 in held.params  # the embedding: its grad is final last
+    assert [s for s in internals(opt).pool.slots if s.buffer is not None] == [pipeline.held_slot]
     if reader == "synchronize":
         opt.synchronize()
     elif reader == "state_dict":
@@ -122,7 +122,7 @@ def test_the_last_chunks_write_back_is_held_until_the_host_copies_are_used(reade
         opt.offload()
     else:
         opt.replan()
-    assert pipeline.held_slot is None and not opt._pool.allocated
+    assert pipeline.held_slot is None and not internals(opt).pool.allocated
     for got, want in zip(_raw_state(opt, model), _raw_state(plain[1], plain[0]), strict=True):
         assert got.keys() == want.keys()
         for key in got:
@@ -186,7 +186,7 @@ def test_clipping_after_a_backward_that_stepped_is_refused() -> None:
         else:
             opt.step()
         opt.zero_grad()
-    assert opt._runner.observing  # after a refusal the next backward observes the loop again
+    assert internals(opt).runner.loop.observing  # after a refusal the next backward observes the loop again
 
 
 def test_a_second_backward_without_step_is_refused() -> None:
@@ -239,7 +239,7 @@ def test_a_failing_chunk_raises_from_backward_and_leaves_the_wrapper_usable(monk
     opt.step()
     opt.zero_grad()
     calls = {"n": 0}
-    original = ChunkStepper._narrowed_step
+    original = ChunkStepper.inner_step
 
     def failing(self: Any, *args: Any, **kwargs: Any) -> Any:
         calls["n"] += 1
@@ -248,11 +248,11 @@ def test_a_failing_chunk_raises_from_backward_and_leaves_the_wrapper_usable(monk
         return original(self, *args, **kwargs)
 
     with monkeypatch.context() as patch:
-        patch.setattr(ChunkStepper, "_narrowed_step", failing)
+        patch.setattr(ChunkStepper, "inner_step", failing)
         with pytest.raises(RuntimeError, match="injected failure") as info:
             model(x).square().mean().backward()
     assert "chunk 2 of the" in str(info.value.__notes__)
-    assert not opt._pool.allocated and opt.phase is Phase.IDLE
+    assert not internals(opt).pool.allocated and opt.phase is Phase.IDLE
     opt.zero_grad()
     model(x).square().mean().backward()
     opt.step()
@@ -265,7 +265,7 @@ def test_the_mode_must_be_a_bool_and_prefetch_is_a_no_op() -> None:
     opt = ChunkedOffloadOptimizer(torch.optim.AdamW(model.parameters()), step_in_backward=True)
     model(torch.randint(0, 40, (3, 5))).square().mean().backward()
     opt.prefetch()
-    assert not opt._pool.allocated
+    assert not internals(opt).pool.allocated
     opt.step()
 
 
@@ -356,11 +356,11 @@ def test_reentrant_checkpointing_steps_every_chunk_once(head_outside: bool) -> N
             opt.step()
             opt.zero_grad()
         opt.wait_step()
-        held = [] if opt._pipeline.held_slot is None else [opt._pipeline.held_slot]
-        assert [s for s in opt._pool.slots if s.buffer is not None] == held  # [Note: Held write-back]
+        held = [] if internals(opt).pipeline.held_slot is None else [internals(opt).pipeline.held_slot]
+        assert [s for s in internals(opt).pool.slots if s.buffer is not None] == held  # [Note: Held write-back]
         assert bool(held) is (mode == "backward")
         opt.synchronize()
-        assert not opt._pool.allocated
+        assert not internals(opt).pool.allocated
         return [p.detach().clone() for p in layers.parameters()]
 
     for i, (a, b) in enumerate(zip(train("plain"), train("backward"), strict=True)):
@@ -414,7 +414,7 @@ def test_the_backward_order_is_learned_so_that_no_chunk_is_staged_twice() -> Non
         runs.append((model, opt))
         if mode == "backward":
             assert len(opt.plan.all_chunks) >= 8
-            unused = {opt._placement.binding.index_of(p) for p in model.unused.parameters()}
+            unused = {internals(opt).placement.binding.index_of(p) for p in model.unused.parameters()}
             staged = sum(c.transfer_nbytes for c in opt.plan.all_chunks if not unused.issuperset(c.params))
             assert h2d == [0, staged, staged, staged]  # the first step creates the state; none is brought in twice
     _assert_same(runs[0], runs[1])
@@ -430,7 +430,7 @@ def test_the_backward_stages_a_chunk_per_slot_ahead() -> None:
     )
     opt.attach(model)
     events: list[tuple[str, int]] = []
-    pipeline = opt._runner.pipeline
+    pipeline = internals(opt).runner.pipeline
     stage, step = pipeline.stage, pipeline.step
     pipeline.stage = lambda chunk, slot: events.append(("stage", chunk.index)) or stage(chunk, slot)  # type: ignore[method-assign]
     pipeline.step = lambda chunk, *a: events.append(("step", chunk.index)) or step(chunk, *a)  # type: ignore[method-assign]

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from chunked_offload import ChunkedOffloadOptimizer, ChunkedOffloadWarning
-from reference import assert_equal
+from reference import assert_equal, internals
 
 _KIB = 1 / 1024  # MiB
 FAST = ["overlap", "backward"]
@@ -345,7 +345,11 @@ def test_a_dropped_wrapper_leaves_nothing_behind(mode: str) -> None:
         model, opt = build(mode)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
         train(model, opt, range(2))
-        refs = [weakref.ref(opt), weakref.ref(opt._runner), weakref.ref(opt._placement.layout.arena)]
+        refs = [
+            weakref.ref(opt),
+            weakref.ref(internals(opt).runner),
+            weakref.ref(internals(opt).placement.layout.host.arena),
+        ]
         del opt, sched
         assert all(r() is None for r in refs)
         assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
@@ -387,7 +391,7 @@ def test_two_live_wrappers_stepping_the_same_params_in_backward_are_refused() ->
 
 # ---------------------------------------------------------------------------------------------------- cases 9, 11
 def _only_inert_hooks(model: torch.nn.Module) -> bool:
-    from chunked_offload.hooks import _inert
+    from chunked_offload.callbacks import inert as _inert
 
     for m in model.modules():
         for hooks in (m._forward_pre_hooks, m._forward_hooks, m._state_dict_pre_hooks, m._load_state_dict_pre_hooks):
@@ -509,7 +513,7 @@ def test_a_failure_note_counts_every_chunk(monkeypatch: pytest.MonkeyPatch) -> N
 
     model, opt = build("plain", "fp32")
     train(model, opt, range(1))
-    original, calls = ChunkStepper._narrowed_step, {"n": 0}
+    original, calls = ChunkStepper.inner_step, {"n": 0}
 
     def failing(self: Any, *args: Any, **kwargs: Any) -> Any:
         calls["n"] += 1
@@ -517,7 +521,7 @@ def test_a_failure_note_counts_every_chunk(monkeypatch: pytest.MonkeyPatch) -> N
             raise ValueError("injected")
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(ChunkStepper, "_narrowed_step", failing)
+    monkeypatch.setattr(ChunkStepper, "inner_step", failing)
     loss_of(model, 1).backward()
     for p in model.layers.parameters():
         p.grad = None  # these chunks have no grads in this step

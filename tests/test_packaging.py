@@ -87,4 +87,4 @@ def test_the_source_distribution_ships_documents_and_no_benchmark_logs(built: Pa
     with tarfile.open(sdist) as tar:
         names = [n.split("/", 1)[1] for n in tar.getnames() if "/" in n]
     assert {"README.md", "LICENSE", "CHANGELOG.md", "docs/design.md", "benchmarks/bench_step.py"} <= set(names)
-    assert not [n for n in names if n.startswith("benchmarks/results") or n.endswith((".log", ".csv"))]
+    assert not [n for n in names if n.startswith(("benchmarks/results", "results/")) or n.endswith((".log", ".csv"))]

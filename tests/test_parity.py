@@ -14,6 +14,7 @@ from reference import (
     assert_equal,
     assert_runs_match,
     assert_states_equal,
+    internals,
     make_params,
     run_steps,
 )
@@ -108,7 +109,7 @@ def test_state_between_steps_is_host_views_of_the_arena() -> None:
     params = make_params(ODD_SHAPES)
     opt = ChunkedOffloadOptimizer(torch.optim.AdamW(params, fused=True), chunk_size_mb=0.004)
     run_steps(opt, params, 2)
-    arena = opt._placement.layout.arena
+    arena = internals(opt).placement.layout.host.arena
     assert arena is not None
     lo = arena.region(0, arena.nbytes).data_ptr()
     hi = lo + arena.nbytes

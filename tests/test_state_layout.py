@@ -160,18 +160,18 @@ def test_a_step_that_fails_after_taking_the_grads_layout_rolls_back_and_retries_
     _run(opt, params, "transposed", range(first))
     for p, g in zip(params, _grads(params, "transposed", first), strict=True):
         p.grad = g
-    original = ChunkStepper._rescan
+    original = ChunkStepper.rescan
 
     def failing(self: Any, *args: Any, **kwargs: Any) -> Any:
         original(self, *args, **kwargs)  # the state is rebound (and re-laid out) ...
         raise KeyboardInterrupt  # ... and the chunk fails before its write-back
 
-    ChunkStepper._rescan = failing  # type: ignore[method-assign]
+    ChunkStepper.rescan = failing  # type: ignore[method-assign]
     try:
         with pytest.raises(KeyboardInterrupt):
             opt.step()
     finally:
-        ChunkStepper._rescan = original  # type: ignore[method-assign]
+        ChunkStepper.rescan = original  # type: ignore[method-assign]
     opt.step()  # the same grads: the failed chunk was rolled back, nothing else had run
     opt.zero_grad()
     _run(opt, params, "transposed", range(first + 1, 4))

@@ -11,6 +11,7 @@ import torch
 from .inputs import GradRecord, GroupSnapshot
 
 __all__ = [
+    "CLOSURE_AFTER_BACKWARD",
     "SCALED_IN_BACKWARD",
     "SECOND_BACKWARD",
     "ObservedBackward",
@@ -171,6 +172,11 @@ SECOND_BACKWARD = (
     "a second backward pass would step again before step() was called for the first (step_in_backward=True); call "
     "step() after each backward, and run the backward passes that must not step inside opt.accumulating(). A loop "
     "that skips steps (GradScaler finding an inf, a NaN loss) cannot step in the backward: use step_in_backward=False"
+)
+
+CLOSURE_AFTER_BACKWARD = (
+    "step(closure) after a backward pass that stepped (step_in_backward=True): the update has run already. Call "
+    "step() without a closure after that backward, or run the closure's backward only"
 )
 
 SCALED_IN_BACKWARD = (

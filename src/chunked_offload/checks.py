@@ -168,6 +168,19 @@ def common_device(inner: torch.optim.Optimizer) -> torch.device:
     return device
 
 
+def check_setup(
+    inner: torch.optim.Optimizer, adapter: Adapter, mode: MasterMode, pin_memory: bool | None
+) -> torch.device:
+    """The inner's config, sharding, device and master mode suit the wrapper's options; the params' device."""
+    adapter.check_config()
+    check_sharding(inner.param_groups, adapter)
+    device = common_device(inner)
+    check_master_mode(inner, adapter, mode)
+    if pin_memory and device.type != "cuda":
+        raise ValueError(f"pin_memory=True needs params on a CUDA device, but they are on {device}")
+    return device
+
+
 def check_master_mode(inner: torch.optim.Optimizer, adapter: Adapter, mode: MasterMode) -> None:
     if mode is MasterMode.NONE:
         return

@@ -28,7 +28,7 @@ __all__ = ["forget", "gate_classes", "is_compiled_module", "is_compiled_wrapper"
 # class: a reference run, an eval copy) would be reused, with no trace to note. attach() therefore gives each module
 # it hooks a subclass of its class made for that attach (same name and behaviour; FSDP2's fully_shard does the same):
 # the type guard fails and the module is traced again. Removing the handle restores the class. Copies and pickles of a
-# gated module first join the step, then are made as of the original class ([Note: Hooks in copies] in hooks.py).
+# gated module first join the step, then are made as of the original class ([Note: Hooks in copies] in callbacks.py).
 
 _RUNTIMES: dict[int, weakref.ref[Any]] = {}  # attach key -> the runtime its traced gates tell
 _keys = itertools.count()

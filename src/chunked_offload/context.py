@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.optim.optimizer as torch_optimizer
 
 from .adapters import Adapter
 from .gate import StepGate
@@ -184,6 +185,11 @@ class StepContext:
         record = StepRecord(self.engine, self.placement.device)
         record.overlapped = self.gate.stream is not None
         return OpenStep(counters, record, stack)
+
+    def has_post_hooks(self, own: Mapping[int, Any]) -> bool:
+        """Whether a step post-hook is registered: the wrapper's (``own``), the inner's, or a global one."""
+        inner = getattr(self.inner, "_optimizer_step_post_hooks", {})
+        return bool(own or inner or torch_optimizer._global_optimizer_post_hooks)
 
     def run_inner_hooks(
         self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -21,7 +21,7 @@ class StepGate:
     With ``overlap=True`` the chunk loop of ``step()`` runs on a stream of its own, which first waits for the
     caller's stream (the grads are ready). ``step()`` returns once its chunks are enqueued; the caller's stream goes
     on at once. With an attached model only the first chunks are: the rest wait until a forward hook asks for them
-    ([Note: Deferred chunks] in docs/design.md). After each chunk's update the gate records an event, and a module
+    ([Note: Deferred chunks] in schedule.py). After each chunk's update the gate records an event, and a module
     attached with ``opt.attach(model)`` makes the stream that runs its forward wait for the events of its own params,
     just before the forward reads them (hooks.py). The next forward therefore runs while later chunks are
     still being stepped, and reads each param only after its update: the result is bitwise that of the synchronous

@@ -1,96 +1,22 @@
-"""The hooks the wrapper puts on modules and params: thin, opaque to dynamo, each calling into the step runtime."""
+"""The hooks ``attach()`` puts on a model's modules: thin, traceable by dynamo, each calling into the step runtime."""
 
 from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from . import compiled
+from .callbacks import Call, Hook, Runtime, opaque, run_eagerly_at_the_top
+from .grad_hooks import GradHooks
 
-__all__ = ["AttachHandle", "HookSet", "Runtime", "attach", "opaque", "register_grad_hooks", "weak_callback"]
-
-# [Note: Opaque to dynamo]
-# torch.compile must never trace the wrapper's own code: traced, the step's waits and launches would be specialised
-# to what they did at trace time, and a compiled step() would fuse the inner optimizer's kernels differently from the
-# eager step. Entry points that run eagerly only (step(), the grad and state-dict hooks, the eager body of a forward
-# hook) are wrapped in torch.compiler.disable. The forward hooks are traced with the module: under dynamo they record
-# a custom op instead of calling the runtime, and add no graph break ([Note: Gates in compiled graphs] in compiled.py).
-opaque = torch.compiler.disable
+__all__ = ["AttachHandle", "HookSet", "attach"]
 
 
-class Runtime(Protocol):
-    """What the hooks call (``runner.StepRunner``)."""
-
-    step_in_backward: bool
-
-    def wait_for(self, indices: list[int], streams: Sequence[torch.cuda.Stream] = ()) -> None: ...
-
-    def flush(self) -> None: ...
-
-    def join(self) -> None: ...
-
-    def forward_done(self) -> None: ...
-
-    def forward_compiled(self) -> None: ...
-
-    def grad_final(self, param: torch.Tensor) -> None: ...
-
-    def index_of(self, param: torch.Tensor) -> int | None: ...
-
-    def attached(self, handle: int, params: list[torch.Tensor] | None) -> None: ...
-
-
-class _Hook:
-    """A hook the wrapper puts on a module or a param, holding the step runtime weakly.
-
-    [Note: Hooks in copies]
-    ``copy.deepcopy``, ``pickle`` and ``torch.save`` of a hooked module (``AveragedModel(model)``, an eval copy, a
-    whole-model checkpoint) copy its hook dicts with it. A hook is an object of this class, so a copy of it is the
-    inert ``_inert`` instead: the copy carries no live hook into the wrapper (its forward neither waits for nor steps
-    anything of the original's), pickles by reference, and loads anywhere the package is installed. A gated module
-    itself joins the step before it is copied, so its params are copied updated, and the copy has the module's
-    original class ([Note: Gates in compiled graphs] in compiled.py).
-    """
-
-    __slots__ = ("_runtime",)
-
-    def __init__(self, runtime: weakref.ref[Runtime]) -> None:
-        self._runtime = runtime
-
-    def _join(self) -> None:
-        target = self._runtime()
-        if target is not None:
-            target.join()
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
-        self._join()
-        return _inert
-
-    def __reduce_ex__(self, protocol: Any) -> tuple[Callable[[], Callable[..., None]], tuple[()]]:
-        self._join()
-        return _the_inert_hook, ()
-
-
-class _Call(_Hook):
-    """A hook that runs eagerly only: ``fn(runtime, *args)`` while the runtime lives."""
-
-    __slots__ = ("_fn",)
-
-    def __init__(self, fn: Callable[..., Any], runtime: weakref.ref[Runtime]) -> None:
-        super().__init__(runtime)
-        self._fn = fn
-
-    @opaque  # [Note: Opaque to dynamo]
-    def __call__(self, *args: Any) -> Any:
-        target = self._runtime()
-        return None if target is None else self._fn(target, *args)
-
-
-class _Gate(_Hook):
+class _Gate(Hook):
     """The forward pre-hook of one gated module: its forward waits for the updates of its params.
 
     Traced by dynamo it adds nothing to the graph, and notes the trace ([Note: Gates in compiled graphs]).
@@ -112,7 +38,7 @@ class _Gate(_Hook):
 
     @opaque  # [Note: Opaque to dynamo]
     def run(self, module: torch.nn.Module) -> None:
-        target = self._runtime()
+        target = self.runtime()
         if target is None:
             return
         params = self.params
@@ -123,7 +49,7 @@ class _Gate(_Hook):
         target.wait_for(indices, _all_gather_streams(module) if self._streams else ())
 
 
-class _Done(_Hook):
+class _Done(Hook):
     """The attached model's forward hook: the rest of a deferred step is enqueued, the caller waits for all of it."""
 
     __slots__ = ()
@@ -134,36 +60,16 @@ class _Done(_Hook):
 
     @opaque  # [Note: Opaque to dynamo]
     def run(self) -> None:
-        target = self._runtime()
+        target = self.runtime()
         if target is not None:
             target.forward_done()
 
 
-def _run_eagerly_at_the_top(*methods: Callable[..., Any]) -> None:
-    """Dynamo compiles a frame it meets outside a graph being traced (a hook the eager part of a compiled module's
-    ``_call_impl`` calls), here into a graph of one op; running these eagerly there instead costs nothing. Traced
-    inside a graph, they still record their ops ([Note: Gates in compiled graphs])."""
-    skip = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
-    skip_code = getattr(skip, "skip_code", None)
-    if skip_code is not None:
-        for method in methods:
-            skip_code(method.__code__)
-
-
-_run_eagerly_at_the_top(_Gate.__call__, _Done.__call__)
+run_eagerly_at_the_top(_Gate.__call__, _Done.__call__)
 
 
 def _join_hook(target: Runtime, *args: Any) -> None:
     target.join()
-
-
-def _inert(*args: Any) -> None:
-    """What a copy of one of the wrapper's hooks is ([Note: Hooks in copies])."""
-    return None
-
-
-def _the_inert_hook() -> Callable[..., None]:
-    return _inert
 
 
 def _is_container(model: torch.nn.Module) -> bool:
@@ -204,6 +110,29 @@ def attach(model: torch.nn.Module, runtime: Runtime, *, blocks: bool = False) ->
     ``attach()`` refuses a module whose forward never runs (a container: attach the module that calls it), one that
     holds none of the optimizer's params, and, with ``step_in_backward=True``, a DDP model.
     """
+    _check_attachable(model, runtime, blocks)
+    ref = weakref.ref(runtime)  # the model must not keep the wrapper (and its host memory) alive
+    key = compiled.register(ref)
+    units = _fsdp_units(model)
+    gates = _gates(model, units, blocks)
+    hooks = {m: _Gate(ref, ps, m in units, key) for m, ps in gates.items()}
+    # A module compiled in place runs its hooks inside the compiled code: its gate runs from its class instead.
+    inplace = {m: hooks[m].run for m in gates if compiled.is_compiled_module(m) and not compiled.is_compiled_wrapper(m)}
+    handles = [m.register_forward_pre_hook(h, prepend=True) for m, h in hooks.items() if m not in inplace]
+    handles.append(model.register_forward_hook(_Done(ref)))
+    reader = Call(_join_hook, ref)
+    for module in {id(m): m for m in [model, *gates]}.values():
+        handles.append(module.register_state_dict_pre_hook(reader))
+        handles.append(module.register_load_state_dict_pre_hook(reader))
+    # Modules dynamo may trace get classes of their own; a torch.compile wrapper's own hooks run eagerly.
+    traced = [m for m in {id(m): m for m in [model, *gates]}.values() if not compiled.is_compiled_wrapper(m)]
+    handle = AttachHandle(len(gates), handles, compiled.gate_classes(traced, ref, inplace), ref, key)
+    runtime.attached(handle.serial, [p for ps in gates.values() for p in ps])
+    return handle
+
+
+def _check_attachable(model: torch.nn.Module, runtime: Runtime, blocks: bool) -> None:
+    """Refuse what ``attach()`` cannot gate, before anything is hooked."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"attach() takes a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(blocks, bool):
@@ -227,24 +156,6 @@ def attach(model: torch.nn.Module, runtime: Runtime, *, blocks: bool = False) ->
             "their hooks, so a step in the backward would update each rank with its local grads. Use "
             "step_in_backward=False with DDP (overlap=True hides most of the step), or FSDP2 (fully_shard)"
         )
-    ref = weakref.ref(runtime)  # the model must not keep the wrapper (and its host memory) alive
-    key = compiled.register(ref)
-    units = _fsdp_units(model)
-    gates = _gates(model, units, blocks)
-    hooks = {m: _Gate(ref, ps, m in units, key) for m, ps in gates.items()}
-    # A module compiled in place runs its hooks inside the compiled code: its gate runs from its class instead.
-    inplace = {m: hooks[m].run for m in gates if compiled.is_compiled_module(m) and not compiled.is_compiled_wrapper(m)}
-    handles = [m.register_forward_pre_hook(h, prepend=True) for m, h in hooks.items() if m not in inplace]
-    handles.append(model.register_forward_hook(_Done(ref)))
-    reader = _Call(_join_hook, ref)
-    for module in {id(m): m for m in [model, *gates]}.values():
-        handles.append(module.register_state_dict_pre_hook(reader))
-        handles.append(module.register_load_state_dict_pre_hook(reader))
-    # Modules dynamo may trace get classes of their own; a torch.compile wrapper's own hooks run eagerly.
-    traced = [m for m in {id(m): m for m in [model, *gates]}.values() if not compiled.is_compiled_wrapper(m)]
-    handle = AttachHandle(len(gates), handles, compiled.gate_classes(traced, ref, inplace), ref, key)
-    runtime.attached(handle.serial, [p for ps in gates.values() for p in ps])
-    return handle
 
 
 def _gates(
@@ -348,24 +259,6 @@ class AttachHandle:
         self._handles, self._restore = [], None
 
 
-def register_grad_hooks(params: Sequence[torch.Tensor], runtime: Runtime) -> list[Any]:
-    """A post-accumulate-grad hook on every param that requires grad ([Note: Step in backward]).
-
-    Through a weak reference, so that params do not keep the wrapper alive.
-    """
-
-    def grad_final(target: Runtime, param: torch.Tensor) -> None:
-        target.grad_final(param)
-
-    hook = _Call(grad_final, weakref.ref(runtime))
-    return [p.register_post_accumulate_grad_hook(hook) for p in params if p.requires_grad]
-
-
-# Params stepped in the backward by a live wrapper (id -> the param, weakly, and that wrapper's hooks): a second
-# wrapper would step them twice in each backward.
-_STEPPED_IN_BACKWARD: dict[int, tuple[weakref.ref[torch.Tensor], HookSet]] = {}
-
-
 class HookSet:
     """Every hook one wrapper has put on modules and params; ``release`` takes them all off.
 
@@ -374,39 +267,9 @@ class HookSet:
     holds the wrapper.
     """
 
-    def __init__(self, step_in_backward: bool) -> None:
-        self._step_in_backward = step_in_backward
-        self.runtime: weakref.ref[Any] | None = None  # the step runtime, set once it exists
-        self._grad_hooks: list[Any] = []
+    def __init__(self, grad_hooks: GradHooks) -> None:
+        self.grad_hooks = grad_hooks
         self._handles: list[AttachHandle] = []
-
-    def on_install(self, layout: Any) -> None:
-        """A new layout was installed: with ``step_in_backward``, grad hooks go on its params."""
-        runtime = None if self.runtime is None else self.runtime()
-        if self._step_in_backward and runtime is not None:
-            self.set_grad_hooks([info.param for info in layout.infos], runtime)
-
-    def set_grad_hooks(self, params: Sequence[torch.Tensor], runtime: Runtime) -> None:
-        """Put the post-accumulate-grad hooks on ``params``, instead of those on the previous ones."""
-        for p in params:
-            param, other = _STEPPED_IN_BACKWARD.get(id(p), (None, None))
-            if other is not None and other is not self and param is not None and param() is p:
-                raise ValueError(
-                    f"a param (shape {tuple(p.shape)}) is already stepped in the backward by another live "
-                    "ChunkedOffloadOptimizer (step_in_backward=True); both would step it. Drop the other wrapper "
-                    "first, or wrap disjoint params"
-                )
-        self._remove_grad_hooks()
-        self._grad_hooks = register_grad_hooks(params, runtime)
-        for p in params:
-            _STEPPED_IN_BACKWARD[id(p)] = (weakref.ref(p), self)
-
-    def _remove_grad_hooks(self) -> None:
-        for handle in self._grad_hooks:
-            handle.remove()
-        self._grad_hooks = []
-        for key in [k for k, (_, owner) in _STEPPED_IN_BACKWARD.items() if owner is self]:
-            del _STEPPED_IN_BACKWARD[key]
 
     def add(self, handle: AttachHandle) -> AttachHandle:
         self._handles.append(handle)
@@ -418,19 +281,7 @@ class HookSet:
             if runtime is not None:
                 runtime.synchronize()
         finally:
-            self._remove_grad_hooks()
+            self.grad_hooks.remove()
             for handle in self._handles:
                 handle.remove()
             self._handles.clear()
-
-
-def weak_callback(method: Callable[[Any], None]) -> Callable[[Any], None]:
-    """A bound ``method`` that holds its object weakly (a part calling back into the wrapper), a no-op once gone."""
-    ref = weakref.WeakMethod(method)
-
-    def call(arg: Any) -> None:
-        bound = ref()
-        if bound is not None:
-            bound(arg)
-
-    return call

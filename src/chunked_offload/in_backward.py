@@ -1,4 +1,4 @@
-"""BackwardStep: one outer step driven by the backward pass, each chunk stepped as soon as its grads are final."""
+"""BackwardSchedule: one outer step driven by the backward pass, each chunk stepped as soon as its grads are final."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ from collections.abc import Callable, Mapping, Sequence
 from .backward_watch import TaskWatch
 from .context import OpenStep
 from .dtensor import local
+from .failures import note_failure
 from .inputs import GradRecord
-from .pipeline import ChunkPipeline, Event, Pending, note_failure
+from .pipeline import ChunkPipeline, Event, Pending
 from .planner import Chunk
 from .staging import Slot
 
-__all__ = ["BackwardOrder", "BackwardStep"]
+__all__ = ["BackwardOrder", "BackwardSchedule"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class BackwardOrder:
         return ordered, frozenset(c.index for c in ordered if not any(i in order for i in c.params))
 
 
-class BackwardStep:
+class BackwardSchedule:
     """Steps the chunks of one outer step from post-accumulate-grad hooks, during the backward pass.
 
     [Note: Step in backward]
@@ -97,7 +98,7 @@ class BackwardStep:
         pipeline: ChunkPipeline,
         expected: Sequence[Chunk],
         step: OpenStep,
-        on_close: Callable[[BackwardStep, bool], None],
+        on_close: Callable[[BackwardSchedule, bool], None],
         not_ahead: frozenset[int] = frozenset(),
         accumulations: Mapping[int, int] | None = None,
     ) -> None:
@@ -170,7 +171,7 @@ class BackwardStep:
             # Chunks were brought in but got no grad: their H2D may still write the slots, which the finish below
             # would not order against (it records the D2H stream only).
             for chunk, _ in self._staged.values():
-                self.record.add_dropped_stage(chunk)
+                self.record.add_dropped_stage(chunk, self.pipeline.store(chunk))
             self._staged.clear()
             self.pipeline.drain()
         self.pipeline.finish()
@@ -212,7 +213,7 @@ class BackwardStep:
                 self.grads.record([(i, pipeline.grad_of(i)) for i in chunk.params])
             self._last_used[slot.index] = position
             self._done.append(chunk)
-            self.record.add_chunk(chunk, fresh, pipeline.pool)
+            self.record.add_chunk(chunk, pipeline.store(chunk), fresh, pipeline.pool)
             self._fill()
         except BaseException as exc:
             committed = len(self._done) + (1 if self.abort(pending) else 0)
@@ -237,7 +238,7 @@ class BackwardStep:
         index = max(self._staged, key=lambda k: self._position[self._staged[k][0].index])
         dropped, _ = self._staged.pop(index)
         self.pipeline.release_staged(slots[index])
-        self.record.add_dropped_stage(dropped)
+        self.record.add_dropped_stage(dropped, self.pipeline.store(dropped))
         self._cursor = min(self._cursor, self._position[dropped.index])
         return slots[index], False, None
 

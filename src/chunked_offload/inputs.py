@@ -28,9 +28,9 @@ __all__ = ["GradRecord", "GroupSnapshot", "OwnedGrads", "ParamWatch", "fingerpri
 #   them with the grads as they are then. Any difference (clipping in any form, an all-reduce, an unscale, a replaced,
 #   dropped or hand-set grad) is refused, and so is a group value written between backward() and step()
 #   (``GroupSnapshot``). The first backward of a wrapper steps nothing and observes the loop instead ([Note: Observed
-#   backward] in runner.py), so a loop that does either on every iteration is refused before any param is updated.
-#   At the end of the backward the caller's stream is ordered after every chunk's step, so nothing the caller enqueues
-#   after backward() races the reads.
+#   backward] in backward_watch.py), so a loop that does either on every iteration is refused before any param is
+#   updated. At the end of the backward the caller's stream is ordered after every chunk's step, so nothing the caller
+#   enqueues after backward() races the reads.
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -8,11 +8,19 @@ __all__ = ["StepMode"]
 
 
 class StepMode(enum.Enum):
-    """How a step runs beside the caller's code ([Note: Step modes] in runner.py).
+    """How a step runs beside the caller's code.
 
-    ``SYNC``: ``step()`` returns once its chunks are stepped on the caller's timeline. ``OVERLAP``: the chunks run on
-    a stream of their own and the next forward overlaps them. ``IN_BACKWARD``: the backward pass steps each chunk
-    once its grads are final.
+    [Note: Step modes]
+    - ``SYNC``: ``step()`` opens a step (``StepContext``), and the ordered schedule (``StepSchedule``) steps the
+      chunks with a grad in parameter order; the caller's stream waits for the whole step.
+    - ``OVERLAP``: the chunks run on the gate's stream, in the order the forward reads them ([Note: Read order]).
+      With an attached model only the first ``num_slots`` are enqueued and the rest are *deferred* to the forward
+      hooks that read their params (phase DEFERRED); without one the caller's stream waits for the whole step.
+    - ``IN_BACKWARD``: the first backward observes the loop and its ``step()`` is a plain one ([Note: Observed
+      backward]). In the backward passes after it the first final grad opens the step, and the event-driven schedule
+      (``BackwardSchedule``) steps each chunk once its grads are final (phase IN_BACKWARD); ``step()`` then compares
+      the grads and groups with what the chunks read ([Note: Inputs of a step]).
+    The step runner (runner.py) drives all three, and is the only code that moves the phase ([Note: Phases]).
     """
 
     SYNC = "sync"

@@ -13,8 +13,7 @@ import torch
 
 from . import state_dict as checkpoint
 from .adapters import Adapter, resolve_adapter
-from .budget import budget_options
-from .checks import check_inner, check_master_mode, check_options, check_sharding, check_wrappable, common_device
+from .checks import check_inner, check_options, check_setup, check_wrappable
 from .context import scaler_tensors
 from .hooks import AttachHandle, attach, opaque
 from .masters import MasterMode
@@ -100,46 +99,34 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         check_wrappable(inner)
         self._inner = inner
         self._adapter, self._adapter_given = resolve_adapter(inner, adapter), adapter is not None
-        self._adapter.check_config()
-        check_sharding(inner.param_groups, self._adapter)
-        self.device = common_device(inner)
-        check_master_mode(inner, self._adapter, MasterMode(master_weights))
-        if pin_memory and self.device.type != "cuda":
-            raise ValueError(f"pin_memory=True needs params on a CUDA device, but they are on {self.device}")
+        self.device = check_setup(inner, self._adapter, MasterMode(master_weights), pin_memory)
+        self._init_optimizer_tables()
 
-        # torch.optim.Optimizer bookkeeping, without building groups of our own: the inner's are shared.
+        options = Options.parse(self.device, pin_memory=pin_memory, **self._options)
+        # These options are read-only: they shaped the parts below.
+        self.overlap, self.step_in_backward, self.num_slots = overlap, step_in_backward, num_slots
+        self.chunk_size_mb, self.offload_fraction = float(chunk_size_mb), options.plan.offload_fraction
+        self.gpu_budget_mb, self.gpu_headroom_mb = options.budget_mb, options.headroom_mb
+        self._mode = options.masters
+        self._parts = parts = build_parts(inner, self._adapter, self.device, options, self._optimizer_step_post_hooks)
+        self._placement, self._runner, self._waits = parts.placement, parts.runner, parts.waits
+        # A wrapper dropped with deferred chunks still updates its params: they are enqueued, and land, before the
+        # parts go; then its hooks come off the model and the params (the finalizer holds neither the wrapper nor
+        # anything that holds it, so dropping the last reference runs it).
+        weakref.finalize(self, parts.hooks.release, self._waits)
+        with self._runner.installing():
+            self._placement.install_first()
+        logger.info("%s, window bound %.1f MiB", self, self.plan.window_bound_nbytes / 2**20)
+        logger.debug("%s", self.plan.summary())
+
+    def _init_optimizer_tables(self) -> None:
+        """torch.optim.Optimizer's bookkeeping, without building groups of our own: the inner's are shared."""
         for table in ("step", "state_dict", "load_state_dict"):
             for when in ("pre", "post"):
                 setattr(self, f"_optimizer_{table}_{when}_hooks", OrderedDict())
         self._patch_step_function()
         self._warned_capturable_if_run_uncaptured = True
-        self._step_supports_amp_scaling = getattr(inner, "_step_supports_amp_scaling", False)
-
-        options = Options.parse(self.device, pin_memory=pin_memory, **self._options)
-        self.overlap, self.step_in_backward, self.num_slots = overlap, step_in_backward, num_slots
-        self.chunk_size_mb = float(chunk_size_mb)  # these options are read-only: they shaped the parts below
-        self.offload_fraction = options.plan.offload_fraction
-        budget_mb, self.gpu_headroom_mb = budget_options(gpu_budget_mb, gpu_headroom_mb)
-        self.gpu_budget_mb: float | str | None = budget_mb if self.gpu_headroom_mb is None else "auto"
-        self._mode = options.masters
-        parts = build_parts(inner, self._adapter, self.device, options, self._optimizer_step_post_hooks)
-        self._notices, self._phase, self._engine, self._pool = parts.notices, parts.phase, parts.engine, parts.pool
-        self._gate, self._pipeline, self._hooks, self._binding = parts.gate, parts.pipeline, parts.hooks, parts.binding
-        self._placement, self._context, self._schedule = parts.placement, parts.context, parts.schedule
-        self._runner = parts.runner
-        # A wrapper dropped with deferred chunks still updates its params: they are enqueued, and land, before the
-        # parts go; then its hooks come off the model and the params (the finalizer holds neither the wrapper nor
-        # anything that holds it, so dropping the last reference runs it).
-        weakref.finalize(self, self._hooks.release, self._runner)
-        original_state = inner.state
-        try:
-            self._placement.adopt_state()
-            self._placement.install(self._placement.build(inner.param_groups, inner.state))
-        except BaseException:
-            inner.state = original_state  # nothing was copied anywhere: the inner is as it was
-            raise
-        logger.info("%s, window bound %.1f MiB", self, self.plan.window_bound_nbytes / 2**20)
-        logger.debug("%s", self.plan.summary())
+        self._step_supports_amp_scaling = getattr(self._inner, "_step_supports_amp_scaling", False)
 
     # ------------------------------------------------------------------ the inner optimizer's objects
     @property
@@ -158,8 +145,8 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
     @property  # type: ignore[override]
     def state(self) -> defaultdict[torch.Tensor, Any]:
         """The inner's state (host views); a write-back held by the backward lands first ([Note: Held write-back])."""
-        if (runner := self.__dict__.get("_runner")) is not None:
-            runner.land_held_write_back()
+        if (waits := self.__dict__.get("_waits")) is not None:
+            waits.land_held_write_back()
         return self._inner.state
 
     @state.setter
@@ -182,8 +169,8 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
 
     @property
     def phase(self) -> Phase:
-        """What the wrapper is doing now ([Note: Phases] in docs/design.md)."""
-        return self._runner.current_phase()
+        """What the wrapper is doing now ([Note: Phases] in phase.py)."""
+        return self._waits.current_phase()
 
     @property
     def master_weights(self) -> str:
@@ -194,8 +181,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         return self._adapter
 
     def __repr__(self) -> str:
-        layout = self._placement.layout
-        budget = self.gpu_budget_mb is not None
+        layout, budget = self._placement.layout, self.gpu_budget_mb is not None
         residency = f"gpu_budget_mb={self.gpu_budget_mb!r}" if budget else f"offload_fraction={self.offload_fraction}"
         return (
             f"ChunkedOffloadOptimizer(inner={type(self._inner).__name__}, chunk_size_mb={self.chunk_size_mb}, "
@@ -208,7 +194,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         """``pickle``, ``copy.deepcopy`` and ``torch.save``: a copy is a new wrapper, with an arena and streams of its
         own, around a copy of the inner optimizer, loaded from this one's host copies (docs/state-dict.md)."""
         self._runner.join()
-        self._placement.sync()
+        self._runner.sync()
         inner, adapter = checkpoint.portable(self._placement, self._adapter_given)
         return (checkpoint.rebuild, (type(self), inner, {**self._options, "adapter": adapter}, self.state_dict()))
 
@@ -228,9 +214,9 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
 
     def replan(self) -> None:
         """Re-plan from the current params and state now (``step()`` does it when needed; this pays it early)."""
-        self._runner.between_steps("opt.replan()")
+        self._waits.between_steps("opt.replan()")
         self._runner.join()
-        self._placement.sync(force=True)
+        self._runner.sync(force=True)
 
     @contextmanager
     def accumulating(self) -> Iterator[None]:
@@ -256,7 +242,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
 
         Reading it on a GPU waits for the last step to finish (its times come from CUDA events).
         """
-        return self._runner.stats()
+        return self._waits.stats()
 
     def attach(self, model: torch.nn.Module, *, blocks: bool = False) -> AttachHandle:
         """Make each module's forward wait until its own params have been updated by the last step.
@@ -269,12 +255,12 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         torch.compile, one graph break per layer instead of one per module with params.
         """
         if not (self.overlap or self.step_in_backward):
-            self._notices.warn(
+            self._parts.notices.warn(
                 "attach",
                 "opt.attach(model) does nothing without overlap=True or step_in_backward=True: every step has "
                 "finished when step() returns. Pass overlap=True, or leave the call out",
             )
-        return self._hooks.add(attach(model, self._runner, blocks=blocks))
+        return self._parts.hooks.add(attach(model, self._waits, blocks=blocks))
 
     def wait_step(self) -> None:
         """Order the current CUDA stream after every update of the last step (without blocking the host).
@@ -290,16 +276,16 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ the rest of the Optimizer API
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._runner.before_zero_grad(set_to_none)
+        self._waits.before_zero_grad(set_to_none)
         self._inner.zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the inner optimizer and extend the chunk plan (the host copies move once)."""
-        self._runner.between_steps("opt.add_param_group()")
+        self._waits.between_steps("opt.add_param_group()")
         self._runner.join()
         self._inner.add_param_group(param_group)
         try:
-            self._placement.sync(force=True)  # checks the groups and params before it re-plans
+            self._runner.sync(force=True)  # checks the groups and params before it re-plans
         except BaseException:
             self._inner.param_groups.pop()
             raise
@@ -313,9 +299,9 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
                 default the tensors are views of the live host copies, valid until the next ``step()``, as with
                 a plain optimizer.
         """
-        self._runner.between_steps("opt.state_dict()")
+        self._waits.between_steps("opt.state_dict()")
         self._runner.join()
-        self._placement.sync(strict=False)
+        self._runner.sync(strict=False)
         return checkpoint.save(self, self._placement, snapshot=snapshot)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
@@ -323,10 +309,11 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
 
         Nothing is modified if the checkpoint does not fit, or if its layout cannot be allocated.
         """
-        self._runner.between_steps("opt.load_state_dict()")
+        self._waits.between_steps("opt.load_state_dict()")
         self._runner.join()
-        self._placement.sync()
-        checkpoint.load(self, self._placement, state_dict)
+        self._runner.sync()
+        with self._runner.installing():
+            checkpoint.load(self, self._placement, state_dict)
 
     def offload(self, non_blocking: bool = False) -> MoveHandle:
         """Free the optimizer's device memory (resident state, and slots a ``prefetch()`` took) until ``reload()``.
@@ -340,7 +327,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         A state tensor read from ``opt.state`` before the call keeps its device memory while it is referenced, as
         any tensor does; read ``opt.state`` again after the call.
         """
-        return self._runner.offload(non_blocking)
+        return self._runner.move_resident(True, non_blocking)
 
     def reload(self, non_blocking: bool = False) -> MoveHandle:
         """Bring back what ``offload()`` freed: the resident state (the slots come back with the next step).
@@ -349,7 +336,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         code that reads the resident state needs ``wait()`` on the returned handle (with ``non_blocking=False``, the
         default, it has landed on return). A call when nothing is offloaded is a no-op.
         """
-        return self._runner.reload(non_blocking)
+        return self._runner.move_resident(False, non_blocking)
 
     def master_params(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Yield ``(param, fp32 master)`` for every param with a wrapper-owned master.
@@ -357,7 +344,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         Masters of offloaded params are host tensors. A master is read as the next step will use it
         ([Note: Edited params]); nothing is materialised on the GPU. Treat them as read-only.
         """
-        self._runner.between_steps("opt.master_params()")
+        self._waits.between_steps("opt.master_params()")
         self._runner.synchronize()
-        self._placement.sync()
+        self._runner.sync()
         yield from self._placement.masters()

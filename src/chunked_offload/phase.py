@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 __all__ = ["Phase", "PhaseMachine"]
 
@@ -45,13 +47,14 @@ _LEGAL: dict[Phase, frozenset[Phase]] = {
 class PhaseMachine:
     """Holds the wrapper's :class:`Phase`; every change goes through :meth:`to`, which refuses illegal ones.
 
-    ``opt.accumulating()`` is a phase of its own that remembers where it came from (``resume``): the block ends
-    there, or where ``offload()``/``reload()`` inside the block moved it.
+    ``opt.accumulating()`` is a phase of its own that remembers where it came from: the block ends there, or where
+    ``offload()``/``reload()`` inside the block moved it. Only the step runner changes the phase
+    (``tests/test_layering.py`` checks it).
     """
 
     def __init__(self) -> None:
         self.phase = Phase.IDLE
-        self.resume = Phase.IDLE  # where ACCUMULATING goes back to
+        self._resume = Phase.IDLE  # where ACCUMULATING goes back to
 
     def to(self, new: Phase) -> None:
         if new is not self.phase and new not in _LEGAL[self.phase]:
@@ -61,14 +64,25 @@ class PhaseMachine:
     def rest(self, new: Phase) -> None:
         """Go to IDLE or OFFLOADED; inside ``accumulating()`` the block ends there instead."""
         if self.phase is Phase.ACCUMULATING:
-            self.resume = new
+            self._resume = new
         else:
             self.to(new)
+
+    @contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """ACCUMULATING for the block, then back where it was (or where :meth:`rest` moved it meanwhile)."""
+        resume = self.phase
+        self.to(Phase.ACCUMULATING)
+        self._resume = resume
+        try:
+            yield
+        finally:
+            self.to(self._resume)
 
     @property
     def resting(self) -> Phase:
         """IDLE or OFFLOADED (or IN_BACKWARD): where the wrapper is, or returns to after ``accumulating()``."""
-        return self.resume if self.phase is Phase.ACCUMULATING else self.phase
+        return self._resume if self.phase is Phase.ACCUMULATING else self.phase
 
     def require(self, what: str, *allowed: Phase) -> None:
         """Refuse ``what`` unless the wrapper is in one of ``allowed``."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -10,14 +9,14 @@ import torch
 
 from .gate import StepGate
 from .layout import Layout, Views, chunk_views
-from .planner import Chunk, Home, Role
+from .planner import Chunk, Role
 from .staging import Slot, SlotState, StagingPool
 from .stepping import ChunkHooks, ChunkStepper, ChunkTxn
+from .storage import Store
 from .transfer import TransferEngine
 
-__all__ = ["ChunkPipeline", "Pending", "note_failure"]
+__all__ = ["ChunkPipeline", "Pending"]
 
-logger = logging.getLogger(__name__)
 
 _NON_STATE = (Role.MASTER, Role.REMAINDER, Role.TIE_BITS, Role.SCRATCH)
 
@@ -49,7 +48,7 @@ class ChunkPipeline:
     """The per-chunk operations of a step, over the staging slots and the copy streams.
 
     [Note: Chunk pipeline]
-    A step driver (``StepSchedule``: chunks in parameter order, some deferred to the forward; ``BackwardStep``:
+    A step driver (``StepSchedule``: chunks in parameter order, some deferred to the forward; ``BackwardSchedule``:
     chunks as the backward finishes their grads) calls, for one outer step:
     1. ``start``: the slots take their memory if any chunk is staged, and the H2D copies are ordered after the last
        step's write-back;
@@ -195,13 +194,13 @@ class ChunkPipeline:
         A new H2D on the same stream keeps the waits the slot already has, so the slot goes back to where it was
         before that H2D.
         """
-        slot.state = SlotState.DRAINING
+        slot.advance((SlotState.LOADING,), SlotState.DRAINING)
 
     def step(self, chunk: Chunk, slot: Slot, fresh: bool, h2d_event: Event, hooks: ChunkHooks) -> Pending:
         """Step one chunk in ``slot``: a fresh one in memory of its own, a staged one after its H2D (started)."""
         if fresh:
-            return self._step_fresh(chunk, slot, hooks)
-        return self._step_staged(chunk, slot, h2d_event, hooks)
+            return self.step_fresh(chunk, slot, hooks)
+        return self.step_staged(chunk, slot, h2d_event, hooks)
 
     def commit(self, chunk: Chunk, pending: Pending, *, hold: bool = False) -> None:
         """Enqueue a stepped chunk's write-back: from here on it is committed, and its params count as updated.
@@ -210,7 +209,7 @@ class ChunkPipeline:
         slot until ``flush_write_back`` ([Note: Held write-back]).
         """
         pending.committing = True
-        if hold and chunk.home is Home.HOST and pending.pairs and not pending.retain:
+        if hold and self.store(chunk).crosses_link and pending.pairs and not pending.retain:
             self.flush_write_back()  # at most one is held
             stepped = self.engine.step_done()
             self.gate.mark_ready(chunk.params, stepped)
@@ -224,7 +223,7 @@ class ChunkPipeline:
         if self._held is None:
             return
         chunk, pending, stepped = self._held
-        pending.slot.state = SlotState.READY  # as it was held (a retry after a failed enqueue)
+        pending.slot.advance((SlotState.READY, SlotState.DRAINING), SlotState.READY)  # a retry after a failed enqueue
         self.engine.write_back(pending.slot, pending.pairs, after=stepped)
         self._held = None
         if self._active:
@@ -235,6 +234,16 @@ class ChunkPipeline:
     @property
     def held_slot(self) -> Slot | None:
         return None if self._held is None else self._held[1].slot
+
+    @property
+    def held_chunk(self) -> Chunk | None:
+        """The chunk whose write-back is held ([Note: Held write-back]), if any."""
+        return None if self._held is None else self._held[0]
+
+    @property
+    def prefetched(self) -> bool:
+        """Whether a ``prefetch()`` has staged chunks that the next step takes over."""
+        return self._prefetched is not None
 
     def finish(self) -> None:
         """The step is done: fresh tensors and the slots' memory go back once the D2H stream has read them (all but
@@ -274,7 +283,7 @@ class ChunkPipeline:
         if pending is not None:
             if forward:
                 # Its write-back was being enqueued: the slot holds the committed bytes, so enqueue it in full.
-                pending.slot.state = SlotState.READY
+                pending.slot.advance((SlotState.READY, SlotState.DRAINING), SlotState.READY)
                 self.engine.write_back(pending.slot, pending.pairs, pending.retain)
             else:
                 pending.txn.rollback()
@@ -298,17 +307,15 @@ class ChunkPipeline:
             raise RuntimeError("the staging slots have no memory while a chunk is staged")
         return slot.buffer
 
+    def store(self, chunk: Chunk) -> Store:
+        """Where the chunk's moving bytes live between steps ([Note: Storage seam])."""
+        return self.require_layout().store(chunk)
+
     def _home_region(self, chunk: Chunk, nbytes: int, offset: int = 0) -> torch.Tensor:
         """``nbytes`` of the chunk's moving bytes in its home, from chunk byte ``offset``."""
-        layout = self._require()[0]
-        start = chunk.home_offset + offset
-        if chunk.home is Home.HOST:
-            return layout.arena.region(start, nbytes)
-        if layout.resident_flat is None:
-            raise RuntimeError("the resident chunks have no memory; call opt.reload()")
-        return layout.resident_flat[start : start + nbytes]
+        return self.store(chunk).region(chunk.home_offset + offset, nbytes)
 
-    def _step_staged(self, chunk: Chunk, slot: Slot, h2d_event: Event, hooks: ChunkHooks) -> Pending:
+    def step_staged(self, chunk: Chunk, slot: Slot, h2d_event: Event, hooks: ChunkHooks) -> Pending:
         layout, stepper = self._require()
         self.engine.wait_staged(slot, h2d_event)
         buffer = self._buffer(slot)
@@ -316,7 +323,7 @@ class ChunkPipeline:
         n = chunk.transfer_nbytes
         return Pending(slot, txn, [(self._home_region(chunk, n), buffer[:n])] if n else [])
 
-    def _step_fresh(self, chunk: Chunk, slot: Slot, hooks: ChunkHooks) -> Pending:
+    def step_fresh(self, chunk: Chunk, slot: Slot, hooks: ChunkHooks) -> Pending:
         """First step of a chunk: the inner optimizer creates its state on the device; D2H reads it directly."""
         layout, stepper = self._require()
         engine = self.engine
@@ -340,42 +347,3 @@ class ChunkPipeline:
                 pairs.append((wrapper_home, temp[:wrapper_nbytes]))
             retain.append(temp)
         return Pending(slot, txn, pairs, retain)
-
-
-def note_failure(
-    exc: BaseException,
-    chunk: Chunk | None,
-    position: int,
-    committed: int,
-    total: int,
-    with_grads: int | None = None,
-) -> None:
-    """Log and note on ``exc`` what a failed step did to every chunk of the plan.
-
-    ``chunk`` failed as the ``position``-th chunk the step ran (None: before any), ``committed`` chunks are committed
-    (it among them if it was rolled forward), ``total`` chunks are in the plan, ``with_grads`` of them had grads in
-    this step (None where that is not known yet: a step in the backward).
-    """
-    if chunk is None:
-        note = f"chunked_offload: step() failed before any chunk was stepped; nothing was modified (of {total} chunks)"
-    else:
-        forward = committed > position
-        fate = "was committed too (its write-back was being enqueued)" if forward else "was rolled back"
-        untouched = total - committed - (0 if forward else 1)
-        where = f"chunk {chunk.index} (params {chunk.params[0]}..{chunk.params[-1]})"
-        if with_grads is None:  # a step in the backward: which chunks get grads is not known yet
-            note = (
-                f"chunked_offload: the step in the backward failed in {where}, chunk {position + 1} of the {total} "
-                f"of the plan: the {position} stepped before it were committed, it {fate}, and the other "
-                f"{untouched} are untouched"
-            )
-        else:
-            note = (
-                f"chunked_offload: step() failed in {where}, chunk {position + 1} of the {with_grads} with grads: the "
-                f"{position} before it were committed, it {fate}, and the {with_grads - position - 1} after it are "
-                f"untouched. Of all {total} chunks of the plan, {committed} are committed, {0 if forward else 1} "
-                f"rolled back and {untouched} untouched ({total - with_grads} had no grads in this step)"
-            )
-    logger.warning("%s (%s: %s)", note, type(exc).__name__, exc)
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -13,20 +13,11 @@ from .adapters import Adapter, check_groups
 from .checks import check_params, check_sharding
 from .dtensor import local
 from .gate import StepGate
-from .layout import (
-    IncompatibleStateError,
-    Layout,
-    ParamInfo,
-    describe,
-    place,
-    plan_layout,
-    rehome_state,
-    stale_reason,
-)
+from .layout import IncompatibleStateError, Layout, ParamInfo, rehome_state, stale_reason
 from .masters import MasterMode, needs_master, read_master, write_master
-from .phase import Phase, PhaseMachine
 from .pipeline import ChunkPipeline
 from .planner import ChunkPlan
+from .planning import describe, place, plan_layout
 from .state_table import StateBinding, StateTable
 from .stepping import ChunkStepper
 from .transfer import MoveHandle, TransferEngine
@@ -79,8 +70,10 @@ class Placement:
         binding: the state table's binding to the homes.
         pipeline: the chunk pipeline (drained before homes move; bound to each new layout).
         gate: the step stream's events (forgotten when the layout changes).
-        phase: the wrapper's phase (OFFLOADED is this class's to set).
-        on_install: called with each newly installed layout (the wrapper re-registers its grad hooks).
+
+    Attributes:
+        offloaded: whether ``offload()`` moved the resident state to the host (until ``reload()``, or a re-plan
+            that places it on the device again); the runner reads it to move the phase.
     """
 
     def __init__(
@@ -95,8 +88,6 @@ class Placement:
         binding: StateBinding,
         pipeline: ChunkPipeline,
         gate: StepGate,
-        phase: PhaseMachine,
-        on_install: Callable[[Layout], None],
     ) -> None:
         self.inner = inner
         self.adapter = adapter
@@ -107,8 +98,7 @@ class Placement:
         self.binding = binding
         self.pipeline = pipeline
         self.gate = gate
-        self.phase = phase
-        self.on_install = on_install
+        self.offloaded = False
         self.layout: Layout | None = None
         self.last_move = MoveHandle()
 
@@ -147,8 +137,19 @@ class Placement:
             self.inner.state = StateTable(self.binding, list(state.items()))  # type: ignore[assignment]
             self.binding.dirty = True
 
-    def sync(self, *, force: bool = False, strict: bool = True) -> None:
-        """Bring the layout in line with the inner optimizer before anything is modified ([Note: Absorbing writes]).
+    def install_first(self) -> None:
+        """Adopt the inner's state and install the first layout; on failure the inner is as it was."""
+        original_state = self.inner.state
+        try:
+            self.adopt_state()
+            self.install(self.build(self.inner.param_groups, self.inner.state))
+        except BaseException:
+            self.inner.state = original_state  # nothing was copied anywhere
+            raise
+
+    def sync(self, *, force: bool = False, strict: bool = True) -> bool:
+        """Bring the layout in line with the inner optimizer before anything is modified ([Note: Absorbing writes]);
+        whether a new layout was installed.
 
         With ``strict=False`` (reading a state dict) state the inner optimizer could not step is reported as it is,
         with the current layout, instead of raising.
@@ -161,7 +162,7 @@ class Placement:
             reason = "state was assigned that does not fit its home"
         reason = reason or stale_reason(layout, groups, self.inner.state, self.adapter)
         if reason is None:
-            return
+            return False
         logger.debug("re-planning: %s", reason)
         check_groups(self.inner)
         check_params(groups)
@@ -171,8 +172,9 @@ class Placement:
         except IncompatibleStateError:
             if strict:
                 raise
-            return
+            return False
         self.install(prepared)
+        return True
 
     def build(self, groups: Sequence[Mapping[str, Any]], state: Mapping[torch.Tensor, Any]) -> Prepared:
         """Describe, plan and place a layout for ``groups`` and ``state``; modifies nothing of the optimizer."""
@@ -195,9 +197,9 @@ class Placement:
             and len(old.infos) == len(infos)
             and all(a.param is b.param for a, b in zip(old.infos, infos, strict=True))  # identity: == compares values
         )
-        reusable = old is not None and old.stale is None and self.phase.resting is not Phase.OFFLOADED
+        reusable = old is not None and old.stale is None and not self.offloaded
         if old is not None and reusable and same_params and plan == old.plan:
-            same = Layout(plan, infos, old.homes, old.arena, old.resident_flat, signatures, old.bound)
+            same = Layout(plan, infos, old.homes, old.host, old.resident, signatures, old.bound)
             return Prepared(infos, same, False)
         self.pipeline.drain()  # the previous layout's homes are read below; no write-back may still be in flight
         layout = place(plan, infos, old, signatures, pin=self.pin, device=self.device, mode=self.mode)
@@ -210,41 +212,40 @@ class Placement:
         self.gate.clear()
         layout = prepared.layout
         rehome_state(self.inner.state, layout)
-        if prepared.new_memory and self.phase.resting is Phase.OFFLOADED:
-            self.phase.rest(Phase.IDLE)  # the new layout placed the resident state on the device
+        if prepared.new_memory:
+            self.offloaded = False  # the new layout placed the resident state on the device
         self.layout = layout
         binding = self.binding
         binding.homes, binding.bound = layout.homes, layout.bound
         binding.index_by_id = {id(info.param): info.index for info in prepared.infos}
         binding.dirty = False
         self.pipeline.bind(layout, ChunkStepper(self.inner, self.adapter, self.mode, layout))
-        self.on_install(layout)
 
     # ------------------------------------------------------------------ offload / reload
     def offload(self, non_blocking: bool) -> MoveHandle:
         """Move the resident state to page-locked host memory on a copy stream and re-home it there."""
-        if self.phase.resting is Phase.OFFLOADED:
+        if self.offloaded:
             return self.last_move
         self.pipeline.drop_prefetch()
-        return self._move_resident(Phase.OFFLOADED, non_blocking)
+        return self._move_resident(True, non_blocking)
 
     def reload(self, non_blocking: bool) -> MoveHandle:
         """Bring the resident state back to the device on a copy stream; the caller's stream is ordered after it."""
-        if self.phase.resting is not Phase.OFFLOADED:
+        if not self.offloaded:
             return self.last_move
-        return self._move_resident(Phase.IDLE, non_blocking)
+        return self._move_resident(False, non_blocking)
 
-    def _move_resident(self, to: Phase, non_blocking: bool) -> MoveHandle:
+    def _move_resident(self, offload: bool, non_blocking: bool) -> MoveHandle:
         layout = self.require()
         handle = MoveHandle()
-        flat = layout.resident_flat
-        target = torch.device("cpu") if to is Phase.OFFLOADED else self.device
+        flat = layout.resident.flat
+        target = torch.device("cpu") if offload else self.device
         if flat is not None and flat.device != target:
             pin = self.pin and target.type == "cpu"
             moved = torch.empty(flat.numel(), dtype=torch.uint8, device=target, pin_memory=pin)
             handle = self.engine.move(moved, flat)
             layout.move_resident(moved, self.inner.state)
-        self.phase.rest(to)
+        self.offloaded = offload
         self.last_move = handle.wait() if not non_blocking else handle
         return handle
 
@@ -271,10 +272,8 @@ class Placement:
     # ------------------------------------------------------------------ figures
     @property
     def resident_device_bytes(self) -> int:
-        flat = self.require().resident_flat
-        return 0 if flat is None or flat.device.type == "cpu" else flat.numel()
+        return self.require().resident.device_nbytes
 
     @property
     def pinned_host_bytes(self) -> int:
-        arena = self.require().arena
-        return arena.nbytes if arena.pinned else 0
+        return self.require().host.pinned_nbytes

@@ -12,9 +12,9 @@ import torch
 
 from .adapters import Adapter
 from .context import GroupCounters, OpenStep
+from .failures import note_failure
 from .inputs import OwnedGrads, ParamWatch
-from .phase import Phase, PhaseMachine
-from .pipeline import ChunkPipeline, Event, Pending, note_failure
+from .pipeline import ChunkPipeline, Event, Pending
 from .planner import Chunk
 from .telemetry import StepRecord
 
@@ -93,7 +93,8 @@ class StepSchedule:
        the gate's stream ([Note: Overlapped step]).
     3. For each chunk ``i``: the H2D of chunk ``i + num_slots - 1`` starts, then chunk ``i`` is stepped and
        committed. A deferring step stops after the first ``num_slots`` chunks; ``advance`` runs this loop for the
-       rest later ([Note: Deferred chunks]).
+       rest later ([Note: Deferred chunks]), the runner moving the phase to
+       STEPPING and back to DEFERRED around it.
     4. After the last chunk the pipeline finishes: fresh tensors and the slots' memory go back to the allocator.
 
     [Note: Deferred chunks]
@@ -117,14 +118,12 @@ class StepSchedule:
 
     Args:
         pipeline: the per-chunk operations.
-        phase: the wrapper's phase (this class moves it between DEFERRED and STEPPING).
         adapter: where the inner optimizer reads grads (a chunk shows it the step's own copies there).
         device: the params' device (deferred chunks run with autocast off on it).
     """
 
-    def __init__(self, pipeline: ChunkPipeline, phase: PhaseMachine, adapter: Adapter, device: torch.device) -> None:
+    def __init__(self, pipeline: ChunkPipeline, adapter: Adapter, device: torch.device) -> None:
         self.pipeline = pipeline
-        self.phase = phase
         self.adapter = adapter
         self.device = device
         self.deferred: _Run | None = None  # a step whose last chunks are not enqueued yet
@@ -177,31 +176,37 @@ class StepSchedule:
             self.deferred = run
         self.watch.record((i, self._param(i)) for c in run.chunks[later:] for i in c.params)
 
-    def advance(self, indices: Sequence[int] | None) -> None:
-        """Enqueue the deferred chunks that hold ``indices`` and the next ``num_slots`` after them (None: all)."""
+    def due(self, indices: Sequence[int] | None) -> int | None:
+        """The last deferred chunk to enqueue before a forward reads ``indices`` (None: all), or None: none is due.
+
+        Those that hold ``indices`` and the next ``num_slots`` after them: the link keeps working ahead of the forward.
+        """
         run = self.deferred
         if run is None:
-            return
+            return None
         until = len(run.chunks) - 1
         if indices is not None:
             last = max((run.position_of.get(i, -1) for i in indices), default=-1)
             if last < run.next:
-                return
-            until = min(until, last + len(self.pipeline.pool.slots))  # the link keeps working ahead of the forward
+                return None
+            until = min(until, last + len(self.pipeline.pool.slots))
+        return until
+
+    def advance(self, until: int) -> None:
+        """Enqueue the deferred chunks up to position ``until`` (``due``); the caller's phase is STEPPING."""
+        run = self.deferred
+        if run is None:
+            return
         ran = [i for c in run.chunks[run.next : until + 1] for i in c.params]
-        self.phase.to(Phase.STEPPING)
         try:
-            try:
-                run.position = run.next  # a refusal: nothing of it ran
-                self.watch.check(ran)
-            except BaseException as exc:
-                self._fail(run, exc)
-                raise
-            # As inside step(): a forward's autocast must not change the inner's arithmetic, nor its grad mode ours.
-            with torch.no_grad(), torch.autocast(self.device.type, enabled=False), run.counters.deferred():
-                self._advance(run, until, first=False)
-        finally:
-            self.phase.to(Phase.DEFERRED if self.deferred is not None else Phase.IDLE)
+            run.position = run.next  # a refusal: nothing of it ran
+            self.watch.check(ran)
+        except BaseException as exc:
+            self._fail(run, exc)
+            raise
+        # As inside step(): a forward's autocast must not change the inner's arithmetic, nor its grad mode ours.
+        with torch.no_grad(), torch.autocast(self.device.type, enabled=False), run.counters.deferred():
+            self._advance(run, until, first=False)
         if self.pipeline.gate.stream is not None:
             self.watch.record((i, self._param(i)) for i in ran)  # still running; our update bumped their versions
         else:
@@ -229,7 +234,7 @@ class StepSchedule:
                     run.owned.release(chunk.params)
                     run.committed += 1
                     run.next = pos + 1
-                    run.record.add_chunk(chunk, fresh[pos], pipeline.pool)
+                    run.record.add_chunk(chunk, pipeline.store(chunk), fresh[pos], pipeline.pool)
                 if run.next == len(chunks):
                     run.record.compute_done()
         except BaseException as exc:
@@ -239,6 +244,12 @@ class StepSchedule:
             self.deferred = None
             pipeline.finish()
             run.record.transfers_done()
+
+    def order(self, chunks: list[Chunk]) -> None:
+        """Sort the chunks of an overlapped step with an attached model: eager ones first, then by the last forward's
+        reads ([Note: Read order])."""
+        self.reads.sort(chunks)
+        chunks.sort(key=lambda c: not self.eager(c))  # stable: the eager chunks first, in that order
 
     def eager(self, chunk: Chunk) -> bool:
         """Whether a param of ``chunk`` with a grad is read by no attached forward that waits for it: one no gate

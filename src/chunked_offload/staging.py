@@ -64,6 +64,10 @@ class Slot:
             raise RuntimeError(f"staging slot {self.index} is {self.state.value}; expected one of: {names}")
         self.state = to
 
+    def reset(self) -> None:
+        """Back to FREE from any state: every copy that touched the slot has been waited for, or never ran."""
+        self.advance(tuple(SlotState), SlotState.FREE)
+
 
 class StagingPool:
     """``num_slots`` device slots whose memory is taken for each step and handed back after it.
@@ -150,4 +154,4 @@ class StagingPool:
         slot.retained.clear()
         slot.free_event = None
         slot.read_marks = []
-        slot.state = SlotState.FREE
+        slot.reset()

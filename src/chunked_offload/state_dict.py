@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict, defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -12,7 +12,7 @@ import torch
 from .adapters import Adapter, is_dense
 from .dtensor import like_param, local
 from .layout import stepped_like
-from .placement import Placement
+from .placement import Placement, Prepared
 from .planner import Role, TensorSpec
 from .state_table import bind
 
@@ -108,17 +108,32 @@ def load(opt: torch.optim.Optimizer, placement: Placement, state_dict: Any) -> N
         TypeError, ValueError: the checkpoint does not fit this optimizer; nothing has been modified.
         RuntimeError: its layout cannot be allocated (host RAM); nothing has been modified.
     """
-    inner, adapter = placement.inner, placement.adapter
+    inner = placement.inner
     for owner in (opt, inner):
         for pre_hook in list(owner._optimizer_load_state_dict_pre_hooks.values()):
             out = pre_hook(owner, state_dict)
             if out is not None:
                 state_dict = out
     hparams, entries, saved_groups = _validate(placement, state_dict)
-    saved_ids = [pid for g in saved_groups for pid in g["params"]]
-
     # What the inner optimizer makes of the checkpoint (its own fix-ups in __setstate__), on copies.
     groups = [{**values, "params": g["params"]} for g, values in zip(inner.param_groups, hparams, strict=True)]
+    groups, state = _fixed_up(inner, groups, _placed_state(placement, entries, saved_groups))
+    prepared = placement.build(groups, state)  # may raise (host RAM): nothing is modified yet
+    _apply(placement, groups, state, prepared)
+    for info in placement.infos:
+        if info.has_master:
+            master = (entries.get(info.index) or {}).get(MASTER_KEY)
+            placement.write_master(info, master if master is not None else info.param.detach().float())
+    for owner in (opt, inner):
+        for post_hook in list(owner._optimizer_load_state_dict_post_hooks.values()):
+            post_hook(owner)
+
+
+def _placed_state(
+    placement: Placement, entries: dict[int, dict[str, Any]], saved_groups: list[Any]
+) -> dict[torch.Tensor, dict[str, Any]]:
+    """The checkpoint's entries by param, small tensors placed where the inner optimizer expects them."""
+    saved_ids = [pid for g in saved_groups for pid in g["params"]]
     state: dict[torch.Tensor, dict[str, Any]] = {}
     for info in placement.infos:
         entry = entries.get(info.index)
@@ -130,14 +145,18 @@ def load(opt: torch.optim.Optimizer, placement: Placement, state_dict: Any) -> N
         for key, value in entry.items():
             if key == MASTER_KEY:
                 continue
-            if isinstance(value, torch.Tensor) and not adapter.is_offloaded(key, value):
+            if isinstance(value, torch.Tensor) and not placement.adapter.is_offloaded(key, value):
                 value = _place_scalar(stepped, value, saved_ids[info.index], saved_groups, key)
             values[key] = value
         state[info.param] = values
-    groups, state = _fixed_up(inner, groups, state)
+    return state
 
-    prepared = placement.build(groups, state)  # may raise (host RAM): nothing is modified yet
 
+def _apply(
+    placement: Placement, groups: list[dict[str, Any]], state: dict[torch.Tensor, dict[str, Any]], prepared: Prepared
+) -> None:
+    """Write the checked groups and state into the inner optimizer and install their layout (cannot fail)."""
+    inner = placement.inner
     placement.pipeline.drain()
     for group, new in zip(inner.param_groups, groups, strict=True):
         for k in [k for k in group if k != "params"]:
@@ -152,16 +171,9 @@ def load(opt: torch.optim.Optimizer, placement: Placement, state_dict: Any) -> N
         entry = table[info.param]
         dict.clear(entry)
         for k, v in new_entry.items():
-            bind(entry, k, v)  # offloaded tensors are the checkpoint's; _install copies them into their homes
+            bind(entry, k, v)  # offloaded tensors are the checkpoint's; install copies them into their homes
     placement.install(prepared)
-    adapter.after_load([info.param for info in placement.infos if info.param in table])
-    for info in placement.infos:
-        if info.has_master:
-            master = (entries.get(info.index) or {}).get(MASTER_KEY)
-            placement.write_master(info, master if master is not None else info.param.detach().float())
-    for owner in (opt, inner):
-        for post_hook in list(owner._optimizer_load_state_dict_post_hooks.values()):
-            post_hook(owner)
+    placement.adapter.after_load([info.param for info in placement.infos if info.param in table])
 
 
 def _fixed_up(
@@ -187,6 +199,22 @@ def _place_scalar(
 
 
 def _validate(placement: Placement, sd: Any) -> tuple[list[dict[str, Any]], dict[int, dict[str, Any]], list[Any]]:
+    """The checkpoint's hyperparameters per group, its entries by param index (converted), and its groups."""
+    saved_groups, state, index_of = _check_structure(placement, sd)
+    hparams = []
+    for saved, group in zip(saved_groups, placement.inner.param_groups, strict=True):
+        values = {k: v for k, v in group.items() if k != "params"}
+        values.update({k: v for k, v in saved.items() if k != "params"})
+        hparams.append(values)
+    entries: dict[int, dict[str, Any]] = {}
+    for pid, entry in state.items():
+        index = index_of[pid]
+        entries[index] = _checked_entry(placement, pid, index, entry, hparams)
+    return hparams, entries, list(saved_groups)
+
+
+def _check_structure(placement: Placement, sd: Any) -> tuple[Sequence[Any], Mapping[Any, Any], dict[Any, int]]:
+    """The checkpoint's groups and state, and each param id's index, once its structure fits the optimizer's."""
     if not isinstance(sd, Mapping):
         raise TypeError(f"state_dict must be a mapping with 'state' and 'param_groups', got {type(sd).__name__}")
     missing = [k for k in ("state", "param_groups") if k not in sd]
@@ -215,40 +243,35 @@ def _validate(placement: Placement, sd: Any) -> tuple[list[dict[str, Any]], dict
     unknown = [pid for pid in state if pid not in index_of]
     if unknown:
         raise ValueError(f"the checkpoint has state for param ids {unknown[:5]}, which no param group lists")
+    return saved_groups, state, index_of
 
-    hparams = []
-    for saved, group in zip(saved_groups, groups, strict=True):
-        values = {k: v for k, v in group.items() if k != "params"}
-        values.update({k: v for k, v in saved.items() if k != "params"})
-        hparams.append(values)
 
-    adapter, mode = placement.adapter, placement.mode
-    entries: dict[int, dict[str, Any]] = {}
-    for pid, entry in state.items():
-        index = index_of[pid]
-        info = placement.infos[index]
-        if not isinstance(entry, Mapping):
-            raise TypeError(f"state of param id {pid!r} must be a mapping, got {type(entry).__name__}")
-        where = f"param {index} (checkpoint id {pid!r}, shape {tuple(info.param.shape)})"
-        group = hparams[info.group_index]
-        expected = {s.key: s for s in adapter.predict_state(stepped_like(info.param, mode), group)}
-        got = {k: v for k, v in entry.items() if k != MASTER_KEY and adapter.is_offloaded(k, v)}
-        lacking = sorted(set(expected) - set(got) - adapter.lazy_keys(group)) if entry else []
-        if lacking:
-            raise ValueError(f"{where}: the checkpoint lacks state {lacking}")
-        converted = {}
-        for key, value in got.items():
-            spec = expected.get(key)
-            if isinstance(value, torch.Tensor) and spec is not None:
-                value = adapter.from_checkpoint(key, value, spec)
-            _check_tensor(where, key, local(value) if isinstance(value, torch.Tensor) else value, spec)
-            converted[key] = value
-        master = entry.get(MASTER_KEY)
-        if master is not None and info.has_master:
-            master_spec = TensorSpec(MASTER_KEY, Role.MASTER, tuple(info.param.shape), (), torch.float32)
-            _check_tensor(where, MASTER_KEY, master, master_spec)
-        entries[index] = {**entry, **converted}
-    return hparams, entries, list(saved_groups)
+def _checked_entry(
+    placement: Placement, pid: Any, index: int, entry: Any, hparams: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """One param's checkpoint entry, checked against what the inner optimizer steps, tensors converted."""
+    adapter, info = placement.adapter, placement.infos[index]
+    if not isinstance(entry, Mapping):
+        raise TypeError(f"state of param id {pid!r} must be a mapping, got {type(entry).__name__}")
+    where = f"param {index} (checkpoint id {pid!r}, shape {tuple(info.param.shape)})"
+    group = hparams[info.group_index]
+    expected = {s.key: s for s in adapter.predict_state(stepped_like(info.param, placement.mode), group)}
+    got = {k: v for k, v in entry.items() if k != MASTER_KEY and adapter.is_offloaded(k, v)}
+    lacking = sorted(set(expected) - set(got) - adapter.lazy_keys(group)) if entry else []
+    if lacking:
+        raise ValueError(f"{where}: the checkpoint lacks state {lacking}")
+    converted = {}
+    for key, value in got.items():
+        spec = expected.get(key)
+        if isinstance(value, torch.Tensor) and spec is not None:
+            value = adapter.from_checkpoint(key, value, spec)
+        _check_tensor(where, key, local(value) if isinstance(value, torch.Tensor) else value, spec)
+        converted[key] = value
+    master = entry.get(MASTER_KEY)
+    if master is not None and info.has_master:
+        master_spec = TensorSpec(MASTER_KEY, Role.MASTER, tuple(info.param.shape), (), torch.float32)
+        _check_tensor(where, MASTER_KEY, master, master_spec)
+    return {**entry, **converted}
 
 
 def _check_tensor(where: str, key: str, value: Any, spec: TensorSpec | None) -> None:

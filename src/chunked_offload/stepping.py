@@ -180,13 +180,13 @@ class ChunkStepper:
             self.adapter.verify_bound([info.param for info in infos], self.inner.state)
             counters.before_chunk()
             with record_function("chunked_offload::step_chunk"):
-                self._narrowed_step(chunk, infos, txn)
+                self.inner_step(chunk, infos, txn)
             counters.after_chunk()
             txn.drop_extras()
             for swap in reversed(txn.swaps):
                 self._swap_out_master(swap)
             txn.swaps.clear()
-            return self._rescan(infos, views, fresh), txn
+            return self.rescan(infos, views, fresh), txn
         except BaseException:
             txn.rollback()
             raise
@@ -259,7 +259,7 @@ class ChunkStepper:
             v = swap.views
             encode_remainder(master, data, v[REMAINDER], v[TIE_BITS], work=v[GRAD32])
 
-    def _narrowed_step(self, chunk: Chunk, infos: Sequence[ParamInfo], txn: ChunkTxn) -> None:
+    def inner_step(self, chunk: Chunk, infos: Sequence[ParamInfo], txn: ChunkTxn) -> None:
         groups = self.inner.param_groups
         narrowed = self._narrowed.get(chunk.index)
         if narrowed is None:
@@ -286,7 +286,7 @@ class ChunkStepper:
             for g, params in zip(groups, saved, strict=True):
                 g["params"] = params
 
-    def _rescan(self, infos: Sequence[ParamInfo], views: Views, fresh: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def rescan(self, infos: Sequence[ParamInfo], views: Views, fresh: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
         fresh_pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         for info in infos:
             entry = self.inner.state.get(info.param)

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
-from .planner import Chunk, Home
+from .planner import Chunk
 from .staging import StagingPool
+from .storage import Store
 from .transfer import TransferEngine
 
 __all__ = ["StepRecord", "StepStats"]
+
+logger = logging.getLogger(__name__)
+
+_MIB = 2**20
 
 
 @dataclass(frozen=True)
@@ -76,10 +82,11 @@ class StepRecord:
         event.record(stream)
         return event
 
-    def add_chunk(self, chunk: Chunk, fresh: bool, pool: StagingPool) -> None:
+    def add_chunk(self, chunk: Chunk, store: Store, fresh: bool, pool: StagingPool) -> None:
+        """A chunk of ``store`` was stepped (``fresh``: it had no state to bring in)."""
         self.chunks += 1
         n = chunk.transfer_nbytes
-        if chunk.home is Home.DEVICE:
+        if not store.crosses_link:
             self.d2d += n
         elif fresh:
             self.d2h += n
@@ -90,10 +97,17 @@ class StepRecord:
         held += sum(t.untyped_storage().nbytes() for s in pool.slots for t in s.retained)
         self.window = max(self.window, held)
 
-    def add_dropped_stage(self, chunk: Chunk) -> None:
+    def add_dropped_stage(self, chunk: Chunk, store: Store) -> None:
         """A chunk was staged but never stepped in that slot (another took it): its H2D crossed the link for nothing."""
-        if chunk.home is Home.HOST:
+        if store.crosses_link:
             self.h2d += chunk.transfer_nbytes
+
+    def log(self, total_chunks: int) -> None:
+        """The step's transfers at DEBUG level (``logging.getLogger("chunked_offload")``)."""
+        logger.debug(
+            "step: %d of %d chunks, %.1f MiB H2D, %.1f MiB D2H, %.1f MiB D2D, window %.1f MiB",
+            self.chunks, total_chunks, self.h2d / _MIB, self.d2h / _MIB, self.d2d / _MIB, self.window / _MIB,
+        )  # fmt: skip
 
     def compute_done(self) -> None:
         """Called on the compute stream after the last chunk's step."""

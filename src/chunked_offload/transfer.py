@@ -280,4 +280,4 @@ class TransferEngine:
         self.home_version += 1
         for slot in slots:
             slot.retained.clear()
-            slot.state = SlotState.FREE
+            slot.reset()

@@ -13,7 +13,8 @@ from .adapters import Adapter
 from .budget import auto_budget, budget_options
 from .context import StepContext
 from .gate import StepGate
-from .hooks import HookSet, weak_callback
+from .grad_hooks import GradHooks
+from .hooks import HookSet
 from .masters import MasterMode
 from .mode import StepMode
 from .notices import Notices
@@ -26,6 +27,7 @@ from .staging import StagingPool
 from .state_table import StateBinding
 from .streams import StreamContext
 from .transfer import TransferEngine
+from .waits import StepWaits
 
 __all__ = ["Options", "Parts", "build_parts"]
 
@@ -42,6 +44,8 @@ class Options:
         mode: the step mode.
         pin: page-lock the host arena.
         headroom: with ``gpu_budget_mb="auto"``, the bytes left free beside the measured peak; else None.
+        budget_mb: ``gpu_budget_mb`` as the wrapper shows it (a number of MiB, "auto" or None).
+        headroom_mb: ``gpu_headroom_mb`` as the wrapper shows it (with "auto": the default if not given).
     """
 
     plan: PlanOptions
@@ -49,6 +53,8 @@ class Options:
     mode: StepMode
     pin: bool
     headroom: int | None
+    budget_mb: float | str | None
+    headroom_mb: float | None
 
     @classmethod
     def parse(
@@ -78,12 +84,15 @@ class Options:
             mode=StepMode.of(overlap=overlap, step_in_backward=step_in_backward),
             pin=device.type == "cuda" if pin_memory is None else pin_memory,
             headroom=None if headroom_mb is None else int(headroom_mb * _MIB),
+            budget_mb=budget_mb if headroom_mb is None else "auto",
+            headroom_mb=headroom_mb,
         )
 
 
 @dataclass
 class Parts:
-    """The parts of one wrapper; none holds the wrapper, and none but the hooks holds the runner (weakly)."""
+    """The parts of one wrapper; none holds the wrapper, and none but the hooks holds the runner (weakly, through
+    ``waits``)."""
 
     notices: Notices
     phase: PhaseMachine
@@ -98,6 +107,7 @@ class Parts:
     context: StepContext
     schedule: StepSchedule
     runner: StepRunner
+    waits: StepWaits
 
 
 def build_parts(
@@ -114,7 +124,8 @@ def build_parts(
     pool = StagingPool(options.plan.num_slots, device)
     gate = StepGate(streams, options.mode)
     pipeline = ChunkPipeline(engine, pool, gate)
-    hooks = HookSet(options.mode is StepMode.IN_BACKWARD)
+    grad_hooks = GradHooks()
+    hooks = HookSet(grad_hooks)
     runner_ref: weakref.ref[StepRunner] | None = None
 
     def before_home_write() -> None:  # a cycle would keep the parts (and the host memory) alive until gc runs
@@ -126,15 +137,16 @@ def build_parts(
     binding = StateBinding(before_home_write, adapter.is_offloaded, lambda: phase.stepping)
     placement = Placement(
         inner, adapter, options.masters, options.plan, device=device, pin=options.pin, binding=binding,
-        pipeline=pipeline, gate=gate, phase=phase, on_install=weak_callback(hooks.on_install),
+        pipeline=pipeline, gate=gate,
     )  # fmt: skip
     context = StepContext(inner, adapter, placement, gate, engine)
-    schedule = StepSchedule(pipeline, phase, adapter, device)
+    schedule = StepSchedule(pipeline, adapter, device)
     runner = StepRunner(
-        inner, adapter, placement, context, schedule, phase, notices, mode=options.mode, post_hooks=post_hooks,
+        placement, context, schedule, phase, notices, mode=options.mode, post_hooks=post_hooks, grad_hooks=grad_hooks,
         budget=auto_budget(placement, options.headroom, notices),
     )  # fmt: skip
-    runner_ref = hooks.runtime = weakref.ref(runner)
+    runner_ref = weakref.ref(runner)
     return Parts(
-        notices, phase, streams, engine, pool, gate, pipeline, hooks, binding, placement, context, schedule, runner
-    )
+        notices, phase, streams, engine, pool, gate, pipeline, hooks, binding, placement, context, schedule, runner,
+        StepWaits(runner),
+    )  # fmt: skip

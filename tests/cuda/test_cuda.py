@@ -17,6 +17,7 @@ from reference import (
     assert_equal,
     assert_runs_match,
     assert_states_equal,
+    internals,
     make_params,
     run_master_reference,
     run_steps,
@@ -161,7 +162,7 @@ def test_slow_side_streams_do_not_race(chunk_mb: int) -> None:
     ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, fused=True)
     inner = _sleepy(params)
     opt = ChunkedOffloadOptimizer(inner, chunk_size_mb=chunk_mb, adapter=KeyedAdapter(inner, _adam_keys, "sleepy"))
-    opt._engine.__class__ = _SlowSideStreams
+    internals(opt).engine.__class__ = _SlowSideStreams
     run_steps(ref, ref_params, 6)
     run_steps(opt, params, 6)
     sd = opt.state_dict()  # must wait for the slow D2H before handing out host views

@@ -15,6 +15,7 @@ from reference import (
     UNDER_SANITIZER,
     assert_equal,
     assert_states_equal,
+    internals,
     make_params,
     partly_resident_adamw,
     run_steps,
@@ -38,13 +39,13 @@ class _Mlp(torch.nn.Module):
 
 def _slow_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every chunk's step starts late on whatever stream runs it (the gate's stream when overlapped)."""
-    original = ChunkStepper._narrowed_step
+    original = ChunkStepper.inner_step
 
     def slowed(self: Any, *args: Any, **kwargs: Any) -> Any:
         torch.cuda._sleep(SLEEP)
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(ChunkStepper, "_narrowed_step", slowed)
+    monkeypatch.setattr(ChunkStepper, "inner_step", slowed)
 
 
 def _train(
@@ -123,7 +124,7 @@ def test_an_overlapped_step_raced_by_the_next_forward_stays_exact(
 @pytest.mark.timing
 def test_without_the_forward_gate_the_race_shows(monkeypatch: pytest.MonkeyPatch) -> None:
     """The mutation check: with attached modules that do not wait for their chunks, the slowed step is overtaken."""
-    from chunked_offload.overlap import StepGate
+    from chunked_offload.gate import StepGate
 
     plain = _train(overlap=False, attach=False)
     with monkeypatch.context() as patch:
@@ -283,7 +284,7 @@ def _auto_loop(mode: str, width: int, headroom_share: float | None = None) -> tu
         model(x).float().square().mean().backward()
         if step == 1 and headroom_share is not None:
             reading = read_device_memory(torch.device("cuda"))
-            budget = opt._runner.budget
+            budget = internals(opt).runner.budget
             assert reading is not None and budget is not None
             state, resident = opt.plan.host_nbytes + opt.plan.resident_nbytes, opt.plan.resident_nbytes
             # backward: the step of this iteration already made it all resident; the next one shrinks it

@@ -22,6 +22,7 @@ from reference import (
     assert_equal,
     assert_runs_match,
     assert_states_equal,
+    internals,
     make_grads,
     make_params,
     partly_resident_adamw,
@@ -53,7 +54,7 @@ def _inject(monkeypatch: pytest.MonkeyPatch, where: str) -> None:
         monkeypatch.setattr(cls, name, patched)
 
     if where == "compute-before-chunk-step":
-        before(ChunkStepper, "_narrowed_step", lambda self: None, SLEEP)
+        before(ChunkStepper, "inner_step", lambda self: None, SLEEP)
     elif where == "h2d":
         before(TransferEngine, "stage_in", lambda self: self.h2d_stream, SLEEP)
     elif where.startswith("one-chunk"):  # longer than the host's work between two steps (making the grads)
@@ -230,7 +231,7 @@ def test_slot_views_held_past_the_step_do_not_pin_its_slots(monkeypatch: pytest.
     Under compute-sanitizer every step's frames stay alive this way; in a notebook, a failed step's traceback does.
     """
     held: list[torch.Tensor] = []
-    step_chunk = ChunkStepper._narrowed_step
+    step_chunk = ChunkStepper.inner_step
 
     def holding(self: ChunkStepper, chunk: Any, infos: Any, txn: Any) -> None:
         # What a kept frame of the inner step would hold: the state views each chunk is stepped on.
@@ -243,7 +244,7 @@ def test_slot_views_held_past_the_step_do_not_pin_its_slots(monkeypatch: pytest.
     run_steps(opt, params, 1)
     opt.synchronize()
     before = settled_cuda_memory()
-    monkeypatch.setattr(ChunkStepper, "_narrowed_step", holding)
+    monkeypatch.setattr(ChunkStepper, "inner_step", holding)
     run_steps(opt, params, 1, first_step=1)
     monkeypatch.undo()
     # Every chunk steps in a slot (a resident one arrives by a device copy): all 8 params' exp_avg and exp_avg_sq.
@@ -285,7 +286,7 @@ def test_gpu_oom_mid_step_leaves_a_usable_wrapper(stage: str) -> None:
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         del fillers
-    assert not opt._pool.allocated
+    assert not internals(opt).pool.allocated
     opt.zero_grad()
     first = 0 if stage == "fresh-state" else 2
     assert_runs_match(ref, ref_params, opt, params, 3, first_step=first)  # host copies intact, nothing stepped
@@ -296,7 +297,7 @@ def test_arena_registered_in_many_pieces_on_the_gpu(monkeypatch: pytest.MonkeyPa
     shapes = [(2048, 2048)] * 16  # 512 MiB of AdamW state in 64 MiB chunks: 8 registrations
     ref_params, params = make_params(shapes, torch.float32, "cuda"), make_params(shapes, torch.float32, "cuda")
     opt = ChunkedOffloadOptimizer(torch.optim.AdamW(params, lr=1e-2, fused=True), chunk_size_mb=64)
-    arena = opt._placement.layout.arena
+    arena = internals(opt).placement.layout.host.arena
     assert len(arena.pieces) >= 4
     for lo, hi in arena.pieces:
         assert is_page_locked(arena.region(lo, 1)) and is_page_locked(arena.region(hi - 1, 1))

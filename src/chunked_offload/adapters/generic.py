@@ -10,7 +10,7 @@ import torch
 from ..planner import Role, TensorSpec, dense_spec
 from .base import Adapter, hparams_signature
 
-__all__ = ["GenericAdapter"]
+__all__ = ["GenericAdapter", "forget_probes"]
 
 # Probe results per (optimizer class, ndim, dtype, device type, hyperparameters): every wrapper of that class
 # shares them, so each configuration is stepped once per process.
@@ -60,6 +60,11 @@ class GenericAdapter(Adapter):
         if key not in _PROBES:
             _PROBES[key] = _probe(cls, stepped, hparams, self.device)
         return [dense_spec(k, Role.STATE, stepped, dtype) for k, dtype in _PROBES[key]]
+
+
+def forget_probes() -> None:
+    """Drop every cached probe result (each configuration is probed again on its next use)."""
+    _PROBES.clear()
 
 
 def _probe(cls: Any, stepped: torch.Tensor, hparams: dict[str, Any], device: torch.device) -> list[tuple[str, Any]]:
