@@ -92,7 +92,7 @@ def test_stepping_in_backward_matches_the_plain_loop(inner: str, master: str, ch
     if chunk_kib > 2:
         assert any(len(c.params) >= 2 for c in backward[1].plan.all_chunks)
     assert backward[1].stats is not None and backward[1].stats.chunks >= 3
-    assert not backward[1]._pool.allocated  # the slots went back at the end of the backward
+    assert not internals(backward[1]).pool.allocated  # the slots went back at the end of the backward
 
 
 def _raw_state(opt: ChunkedOffloadOptimizer, model: _Net) -> list[dict[str, Any]]:
@@ -106,7 +106,8 @@ def test_the_last_chunks_write_back_is_held_until_the_host_copies_are_used(reade
     """[Note: Held write-back]: the chunk the backward finishes last (the embedding's) keeps its write-back in its
     slot after the step; whatever reads or writes the host copies lands it first, and training stays bitwise."""
     plain, backward = _train("plain", steps=3), _train("backward", steps=3)
-    pipeline, model, opt = backward[1]._pipeline, backward[0], backward[1]
+    model, opt = backward[0], backward[1]
+    pipeline = internals(opt).pipeline
     assert (held := pipeline.held_chunk) is not None and 0 in held.params  # the embedding: its grad is final last
     assert [s for s in internals(opt).pool.slots if s.buffer is not None] == [pipeline.held_slot]
     if reader == "synchronize":
