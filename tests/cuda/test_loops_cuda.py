@@ -63,6 +63,8 @@ def _train(mode: str, master: str, write: Callable[[torch.nn.Module], None]) -> 
         opt.step()
         write(model)  # right after step(): the slowed chunks have not read the grads yet
         opt.zero_grad()
+    if isinstance(opt, ChunkedOffloadOptimizer):
+        opt.wait_step()  # the last step's deferred chunks: params read outside a forward need it (docs/faults.md)
     torch.cuda.synchronize()
     return [p.detach().clone() for p in model.parameters()]
 
