@@ -35,7 +35,8 @@ def build(size: str, seq: int, device: torch.device) -> torch.nn.Module:
     )
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model = LlamaForCausalLM(config)
+    model.bfloat16()
     model.config.use_cache = False
     return model
 
@@ -60,7 +61,7 @@ def train(args: argparse.Namespace) -> tuple[list[float], torch.nn.Module, Chunk
     schedule = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps)))
     )
-    vocab = model.config.vocab_size
+    vocab = SIZES[size][4]
     gen = torch.Generator(device=device).manual_seed(1)
     losses = []
     positions = torch.arange(seq, device=device)

@@ -75,7 +75,11 @@ def test_the_wheel_carries_the_metadata_a_package_page_needs(built: Path) -> Non
     assert meta["Requires-Python"] == ">=3.10" and meta["License-Expression"] == "Apache-2.0"
     assert "Programming Language :: Python :: 3" in meta.get_all("Classifier")
     assert meta.get_all("Requires-Dist")[0] == "torch>=2.9"
-    assert sorted(meta.get_all("Provides-Extra")) == ["dev", "te"]  # what a user installs, and one for developers
+    # What a user installs (te), the plots and the docs site, and one for developers.
+    assert sorted(meta.get_all("Provides-Extra")) == ["bench", "dev", "docs", "te"]
+    import chunked_offload
+
+    assert meta["Version"] == chunked_offload.__version__  # one source: __init__.py
     assert "chunked_offload/py.typed" in names and not any(n.startswith("tests/") for n in names)
     assert meta.get_payload().startswith("# chunked_offload")
 

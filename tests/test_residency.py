@@ -35,13 +35,19 @@ def test_bad_budgets_are_refused(bad: float) -> None:
         ChunkedOffloadOptimizer(torch.optim.AdamW(make_params(ODD_SHAPES)), gpu_budget_mb="64")  # type: ignore[arg-type]
 
 
-def test_a_budget_below_the_window_names_both_numbers() -> None:
+def test_a_budget_below_the_window_names_both_numbers_and_what_sets_the_slot() -> None:
     window = ChunkedOffloadOptimizer(torch.optim.AdamW(make_params(ODD_SHAPES)), chunk_size_mb=0.05).plan
-    expected = (
-        rf"2 slots x {window.slot_nbytes / 2**20:.2f} MiB.*chunk 0.05 MiB.* = {window.window_bound_nbytes / 2**20:.2f}"
-    )
+    expected = rf"2 slots x {window.slot_nbytes / 2**20:.2f} MiB.* = {window.window_bound_nbytes / 2**20:.2f} MiB"
     with pytest.raises(ValueError, match=r"gpu_budget_mb=0.00 is below the staging window .*" + expected):
         ChunkedOffloadOptimizer(torch.optim.AdamW(make_params(ODD_SHAPES)), chunk_size_mb=0.05, gpu_budget_mb=0)
+    # One param larger than the chunk sets the slot: a smaller chunk_size_mb would not help, and the message says so.
+    big = [(8, 8), (256, 256), (8, 8)]  # param 1: 2 x 256 KiB of AdamW state + a 256 KiB backup
+    with pytest.raises(ValueError, match=r"set by param 1 \(shape \(256, 256\), torch.float32\).*same window"):
+        ChunkedOffloadOptimizer(torch.optim.AdamW(make_params(big)), chunk_size_mb=0.1, gpu_budget_mb=0.5)
+    # Many small params fill the chunks: the chunk size sets the slot.
+    small = [(32, 32)] * 16
+    with pytest.raises(ValueError, match=r"set by chunk_size_mb=0.10: raise gpu_budget_mb to at least .*lower chunk"):
+        ChunkedOffloadOptimizer(torch.optim.AdamW(make_params(small)), chunk_size_mb=0.1, gpu_budget_mb=0.1)
 
 
 def test_the_window_bound_is_the_plans_own() -> None:

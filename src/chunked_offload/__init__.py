@@ -10,7 +10,7 @@ from .phase import Phase
 from .planner import Bundle, Chunk, ChunkPlan, Home, Role, TensorSpec, plan_chunks
 from .state_dict import MASTER_KEY
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the one place the version is kept (pyproject.toml reads it)
 
 __all__ = [
     "MASTER_KEY",

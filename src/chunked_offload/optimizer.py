@@ -7,7 +7,7 @@ import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal, NoReturn
 
 import torch
 
@@ -81,9 +81,9 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         offload_fraction: float | None = None,
         num_slots: int = 2,
         pin_memory: bool | None = None,
-        master_weights: str = "none",
+        master_weights: Literal["none", "fp32", "remainder"] = "none",
         adapter: Adapter | None = None,
-        gpu_budget_mb: float | str | None = None,
+        gpu_budget_mb: float | Literal["auto"] | None = None,
         overlap: bool = False,
         step_in_backward: bool = False,
         gpu_headroom_mb: float | None = None,
@@ -198,7 +198,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         inner, adapter = checkpoint.portable(self._placement, self._adapter_given)
         return (checkpoint.rebuild, (type(self), inner, {**self._options, "adapter": adapter}, self.state_dict()))
 
-    def __copy__(self) -> None:
+    def __copy__(self) -> NoReturn:
         raise TypeError("a shallow copy of a wrapper would share its host memory and streams; use copy.deepcopy(opt)")
 
     # ------------------------------------------------------------------ stepping

@@ -112,19 +112,36 @@ def plan_layout(
         return planned(offload_fraction=offload_fraction)
     plan = planned()  # everything offloaded: the window this budget must hold first
     if gpu_budget < plan.window_bound_nbytes:
-        mib = 2**20
-        raise ValueError(
-            f"gpu_budget_mb={gpu_budget / mib:.2f} is below the staging window this plan needs "
-            f"({num_slots} slots x {plan.slot_nbytes / mib:.2f} MiB, its largest chunk with chunk "
-            f"{chunk_bytes / mib:.2f} MiB, + {plan.workspace_nbytes / mib:.2f} MiB of step workspace = "
-            f"{plan.window_bound_nbytes / mib:.2f} MiB); raise gpu_budget_mb or lower chunk_size_mb"
-        )
+        raise ValueError(_below_window(plan, infos, gpu_budget, chunk_bytes))
     resident_budget = gpu_budget - plan.window_bound_nbytes
     while True:  # a partial plan packs other chunks: shrink until its window and its resident state both fit
         plan = planned(resident_budget=resident_budget)
         if plan.resident_nbytes + plan.window_bound_nbytes <= gpu_budget or not plan.resident_chunks:
             return plan
         resident_budget = plan.resident_nbytes - 1
+
+
+def _below_window(plan: ChunkPlan, infos: Sequence[ParamInfo], gpu_budget: int, chunk_bytes: int) -> str:
+    """The refusal of a budget below the window: what the window is made of, and which knob moves it."""
+    mib = 2**20
+    largest = max(plan.all_chunks, key=lambda c: c.device_nbytes)
+    window = (
+        f"gpu_budget_mb={gpu_budget / mib:.2f} is below the staging window this plan needs ({plan.num_slots} slots x "
+        f"{plan.slot_nbytes / mib:.2f} MiB + {plan.workspace_nbytes / mib:.2f} MiB of step workspace = "
+        f"{plan.window_bound_nbytes / mib:.2f} MiB). "
+    )
+    if len(largest.params) == 1 and largest.device_nbytes > chunk_bytes:
+        p = infos[largest.params[0]].param
+        return window + (
+            f"The slot is set by param {largest.params[0]} (shape {tuple(p.shape)}, {p.dtype}), whose state alone is "
+            f"{largest.device_nbytes / mib:.2f} MiB, more than chunk_size_mb={chunk_bytes / mib:.2f}: a smaller "
+            f"chunk_size_mb gives the same window. Raise gpu_budget_mb to at least "
+            f"{plan.window_bound_nbytes / mib:.2f}, or lower num_slots (at least 1)"
+        )
+    return window + (
+        f"The slot is set by chunk_size_mb={chunk_bytes / mib:.2f}: raise gpu_budget_mb to at least "
+        f"{plan.window_bound_nbytes / mib:.2f}, lower chunk_size_mb, or lower num_slots (at least 1)"
+    )
 
 
 # [Note: Window bound]
