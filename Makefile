@@ -5,23 +5,38 @@ PY := $(VENV)/bin/python
 # torch 2.13.0 installs a CPU build from local disk on the project machines; override for a CUDA build elsewhere.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv test bench lint clean
+.PHONY: venv test test-fast docs docs-check bench lint clean
 
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)" "pytest>=8" "hypothesis>=6" numpy expecttest accelerate pytorch-lightning transformers tqdm ruff mypy build
+	$(PY) -m pip install -q "$(TORCH_SPEC)" "pytest>=8" "pytest-xdist>=3" "hypothesis>=6" numpy expecttest accelerate pytorch-lightning transformers tqdm ruff mypy build matplotlib
+	$(PY) -m pip install -q "mkdocs>=1.6" "mkdocs-material>=9.5" "mkdocstrings[python]>=0.26"
 	# torchtitan 0.3 for tests/test_torchtitan.py: without its data, logging and checkpoint dependencies.
 	$(PY) -m pip install -q --no-deps "torchtitan==0.3.0"
 	$(PY) -m pip install -q "spmd_types==0.2.3" tyro einops safetensors triton
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
-# pytest exits 5 when every collected test was deselected or skipped (a CPU-only run of the cuda tier): not a failure.
-test: venv
-	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
+# The docs build strictly, then the whole suite on every core (pytest-xdist). pytest exits 5 when every collected test
+# was deselected or skipped (a CPU-only run of the cuda tier): not a failure.
+PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(or $(JOBS),auto)
+test: docs
+	$(PYTEST); rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
+
+# A first look in under a minute: everything but the modules marked slow in tests/conftest.py.
+test-fast: venv
+	$(PYTEST) -m "not slow"; rc=$$?; if [ $$rc -eq 5 ]; then exit 0; else exit $$rc; fi
+
+# The documentation site into site/, failing on a broken link or a missing reference.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -q
+
+# Renders the home page and the API page in headless Chromium (Debian: apt-get install chromium) into site/shots/.
+docs-check: docs
+	bash scripts/docs-check.sh
 
 bench: venv
 	$(PY) benchmarks/bench_step.py
@@ -30,6 +45,7 @@ lint: venv
 	$(PY) -m ruff check src tests benchmarks examples
 	$(PY) -m ruff format --check src tests benchmarks examples
 	$(PY) -m mypy
+	$(PY) -m mypy examples
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site

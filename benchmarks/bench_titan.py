@@ -5,9 +5,12 @@ compiled, FSDP2; ``build_optimizers``, its LR schedule, its loss and its ``clip_
 offloading the optimizer state cost?
 
 Workload: torchtitan 0.2's Llama 3 (the API this script speaks; the GPU's torch 2.11 runs 0.2.2), bf16 params with fp32
-masters in the wrapper (resident: FSDP2's fp32 shards, bf16 compute), fused AdamW, world size 1 (NCCL). Variants, in
-one process, each against the resident loop of the same run:
-    resident      torchtitan's AdamW in its OptimizersContainer, state on the GPU;
+masters in the wrapper, fused AdamW, world size 1 (NCCL; torchtitan applies no FSDP there, so fp32 params would
+compute in fp32: 10x slower, measured at e1919fb). Variants, in one process, each against the resident loop of the
+same run:
+    resident      torchtitan's AdamW in its OptimizersContainer on the same bf16 params, state on the GPU and no
+                  masters: the same forward and backward, and a cheaper step than a resident fp32-master one, so
+                  the share kept is a lower bound;
     sync          chunked_offload.torchtitan.wrap_optimizers(container), with torchtitan's clip;
     overlap       the same with overlap=True (each compiled block gated at its boundary);
     overlap-auto  overlap=True, gpu_budget_mb="auto": what the GPU has room for stays resident;
@@ -102,7 +105,7 @@ def make(variant: str, args: argparse.Namespace, deterministic: bool = False) ->
 
     from chunked_offload.torchtitan import wrap_optimizers
 
-    model, optimizers = build(args, deterministic, torch.float32 if variant == "resident" else torch.bfloat16)
+    model, optimizers = build(args, deterministic, torch.bfloat16)
     if variant != "resident":
         mode = variant.removesuffix("-auto")
         wrap_optimizers(

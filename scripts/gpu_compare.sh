@@ -16,13 +16,13 @@ export PYTHONUNBUFFERED=1 CHUNKED_OFFLOAD_SHA=${CHUNKED_OFFLOAD_SHA:-unknown}
 base=${PYTHONPATH:-}
 train=(--batches 16 --warmup 2 --iters 5 --variants resident,overlap,backward,backward-unchecked)
 step=(--workloads adamw --chunks-mb 256,1024 --warmup 2 --iters 5)
-run() {  # run NAME TREE SCRIPT ARGS...
-  local name=$1 tree=$2 script=$3; shift 3
-  PYTHONPATH="$tree/src:$tree/tests:$tree/benchmarks${base:+:$base}" timeout "${BENCH_TIMEOUT:-300}" \
+run() {  # run SECONDS NAME TREE SCRIPT ARGS...
+  local limit=$1 name=$2 tree=$3 script=$4; shift 4
+  PYTHONPATH="$tree/src:$tree/tests:$tree/benchmarks${base:+:$base}" timeout "$limit" \
     python3 "$tree/benchmarks/$script.py" "$@" 2>&1 | tee "$out/$name.log" | grep -v "^ *$" | tail -n 14
 }
-run bench_train_new . bench_train "${train[@]}" --exact-steps 2
-[ -d .old ] && run bench_train_old .old bench_train "${train[@]}" --skip-exact
-run bench_step_new . bench_step "${step[@]}"
-[ -d .old ] && run bench_step_old .old bench_step "${step[@]}"
-run bench_titan . bench_titan --batch 16
+run 150 bench_train_new . bench_train "${train[@]}" --exact-steps 2
+[ -d .old ] && run 110 bench_train_old .old bench_train "${train[@]}" --skip-exact
+run 150 bench_titan . bench_titan --batch 16
+run 80 bench_step_new . bench_step "${step[@]}"
+[ -d .old ] && run 80 bench_step_old .old bench_step "${step[@]}"

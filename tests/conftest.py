@@ -1,4 +1,4 @@
-"""Test tiers: tests marked `cuda` run only where a CUDA device is present."""
+"""Test tiers: tests marked `cuda` run only where a CUDA device is present; `make test-fast` leaves out `slow`."""
 
 from __future__ import annotations
 
@@ -7,8 +7,17 @@ import torch
 
 from reference import UNDER_SANITIZER
 
+# Modules whose tests spawn processes, compile, build packages or train real models: seconds each on 2 CPU cores.
+SLOW_MODULES = {
+    "test_compile", "test_distributed", "test_docs", "test_examples", "test_frameworks", "test_loops_property",
+    "test_optim_db", "test_packaging", "test_soak", "test_torchtitan",
+}  # fmt: skip
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
     if UNDER_SANITIZER:
         timing = pytest.mark.skip(reason="measures races, time or memory, which compute-sanitizer changes")
         for item in items:

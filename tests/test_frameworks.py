@@ -203,7 +203,11 @@ def test_hf_trainer_with_an_overlapped_wrapper_matches_the_plain_optimizer(tmp_p
 def test_hf_gradient_checkpointing_matches_the_synchronous_loop(mode: str, reentrant: bool) -> None:
     def run(mode: str) -> torch.nn.Module:
         model = tiny_llama()
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        kwargs = {"use_reentrant": reentrant}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.2x; the older name is deprecated there
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         model.train()
         opt = ChunkedOffloadOptimizer(
             torch.optim.AdamW(model.parameters(), lr=1e-2),

@@ -33,9 +33,8 @@ def test_pypi_readme_links_only_to_absolute_urls() -> None:
 
 def test_pypi_readme_keeps_what_the_links_named() -> None:
     page = pypi_readme()
-    assert "- `docs/design.md`: architecture" in page
-    assert "An explicit adapter (`docs/adapters.md`) for optimizers" in page
-    assert "(Inside the iteration)" in page
+    assert "- Getting started (`docs/getting-started.md`): install" in page
+    assert "hide the step under the next forward or the backward (Which mode for my loop (`docs/modes.md`))" in page
     assert page.splitlines()[0] == (ROOT / "README.md").read_text().splitlines()[0]
 
 

@@ -1,0 +1,59 @@
+"""The documentation site: every public name on the API page, and the user pages short and free of internals."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import chunked_offload
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+# The pages for maintainers: design notes, [Note: ...] pointers and commit hashes belong there.
+INTERNALS = {"design.md", "measurements.md"}
+USER_PAGES = sorted(p for p in DOCS.glob("*.md") if p.name not in INTERNALS)
+
+
+def test_every_page_is_in_the_navigation() -> None:
+    nav = (ROOT / "mkdocs.yml").read_text()
+    assert [p.name for p in sorted(DOCS.glob("*.md")) if f": {p.name}" not in nav] == []
+
+
+def test_user_pages_carry_no_notes_or_commit_hashes() -> None:
+    found = []
+    for page in [*USER_PAGES, ROOT / "README.md"]:
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            if "[Note: " in line or re.search(r"`[0-9a-f]{7,40}`|commit [0-9a-f]{7}", line):
+                found.append(f"{page.name}:{n}: {line.strip()[:80]}")
+    assert not found, found
+
+
+def test_user_docs_stay_under_ten_thousand_words() -> None:
+    words = sum(len(p.read_text().split()) for p in [*USER_PAGES, ROOT / "README.md"])
+    assert words <= 10_000, words
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    pytest.importorskip("mkdocstrings", reason="the docs extra (make venv installs it)")
+    out = tmp_path_factory.mktemp("site")
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(out)],
+        cwd=ROOT, capture_output=True, text=True, env={"NO_MKDOCS_2_WARNING": "1", "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out
+
+
+def test_the_api_page_documents_every_public_name(site: Path) -> None:
+    html = (site / "api" / "index.html").read_text()
+    anchors = set(re.findall(r'id="([^"]+)"', html))
+    missing = [n for n in chunked_offload.__all__ if f"chunked_offload.{n}" not in anchors]
+    assert not missing, missing
+    assert "chunked_offload.torchtitan.wrap_optimizers" in anchors
+    # The docstrings are rendered, not only the names.
+    assert "Figures of the last" in html and "bitwise" in html
