@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from reference import UNDER_SANITIZER
 
-# Modules whose tests spawn processes, compile, build packages or train real models: seconds each on 2 CPU cores.
+# Modules whose tests spawn processes, compile, build packages, train real models or inject faults exhaustively.
 SLOW_MODULES = {
-    "test_compile", "test_distributed", "test_docs", "test_examples", "test_frameworks", "test_loops_property",
-    "test_optim_db", "test_packaging", "test_soak", "test_torchtitan",
+    "test_compile", "test_distributed", "test_docs", "test_examples", "test_faults", "test_frameworks", "test_layering",
+    "test_loops_property", "test_optim_db", "test_packaging", "test_soak", "test_torchtitan",
 }  # fmt: skip
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """With ``-m "not slow"`` the slow modules are not even imported (their imports cost seconds per worker)."""
+    if config.option.markexpr == "not slow" and collection_path.stem in SLOW_MODULES:
+        return True
+    return None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

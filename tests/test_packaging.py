@@ -91,3 +91,12 @@ def test_the_source_distribution_ships_documents_and_no_benchmark_logs(built: Pa
         names = [n.split("/", 1)[1] for n in tar.getnames() if "/" in n]
     assert {"README.md", "LICENSE", "CHANGELOG.md", "docs/design.md", "benchmarks/bench_step.py"} <= set(names)
     assert not [n for n in names if n.startswith(("benchmarks/results", "results/")) or n.endswith((".log", ".csv"))]
+
+
+def test_the_citation_and_the_changelog_name_the_current_version() -> None:
+    import chunked_offload
+
+    version = chunked_offload.__version__
+    assert f"\nversion: {version}\n" in (ROOT / "CITATION.cff").read_text()
+    headings = [line for line in (ROOT / "CHANGELOG.md").read_text().splitlines() if line.startswith("## ")]
+    assert headings[0] == "## [Unreleased]" and headings[1].startswith(f"## [{version}] - ")  # Keep a Changelog
