@@ -67,8 +67,8 @@ def job_config(args: argparse.Namespace, deterministic: bool) -> Any:
     return job
 
 
-def build(args: argparse.Namespace, deterministic: bool, master_dtype: torch.dtype) -> tuple[torch.nn.Module, Any]:
-    """torchtitan's Llama 3 (``master_dtype`` shards), parallelized by torchtitan, and its optimizer container."""
+def build(args: argparse.Namespace, deterministic: bool) -> tuple[torch.nn.Module, Any]:
+    """torchtitan's Llama 3 with bf16 params, parallelized by torchtitan, and its optimizer container."""
     from torchtitan.components.optimizer import build_optimizers
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
@@ -86,7 +86,7 @@ def build(args: argparse.Namespace, deterministic: bool, master_dtype: torch.dty
     )  # fmt: skip
     model_args.update_from_config(job)
     with torch.device("meta"):
-        torch.set_default_dtype(master_dtype)
+        torch.set_default_dtype(torch.bfloat16)
         try:
             model = Transformer(model_args)
         finally:
@@ -105,7 +105,7 @@ def make(variant: str, args: argparse.Namespace, deterministic: bool = False) ->
 
     from chunked_offload.torchtitan import wrap_optimizers
 
-    model, optimizers = build(args, deterministic, torch.bfloat16)
+    model, optimizers = build(args, deterministic)
     if variant != "resident":
         mode = variant.removesuffix("-auto")
         wrap_optimizers(

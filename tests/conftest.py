@@ -25,7 +25,7 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
+        if item.path.stem in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
     if UNDER_SANITIZER:
         timing = pytest.mark.skip(reason="measures races, time or memory, which compute-sanitizer changes")

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+import chunked_offload
+
 tomllib = pytest.importorskip("tomllib")  # Python 3.11 and later
 ROOT = Path(__file__).resolve().parents[1]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)[^)]*\)")
@@ -76,8 +78,6 @@ def test_the_wheel_carries_the_metadata_a_package_page_needs(built: Path) -> Non
     assert meta.get_all("Requires-Dist")[0] == "torch>=2.9"
     # What a user installs (te), the plots and the docs site, and one for developers.
     assert sorted(meta.get_all("Provides-Extra")) == ["bench", "dev", "docs", "te"]
-    import chunked_offload
-
     assert meta["Version"] == chunked_offload.__version__  # one source: __init__.py
     assert "chunked_offload/py.typed" in names and not any(n.startswith("tests/") for n in names)
     assert meta.get_payload().startswith("# chunked_offload")
@@ -94,8 +94,6 @@ def test_the_source_distribution_ships_documents_and_no_benchmark_logs(built: Pa
 
 
 def test_the_citation_and_the_changelog_name_the_current_version() -> None:
-    import chunked_offload
-
     version = chunked_offload.__version__
     assert f"\nversion: {version}\n" in (ROOT / "CITATION.cff").read_text()
     headings = [line for line in (ROOT / "CHANGELOG.md").read_text().splitlines() if line.startswith("## ")]
