@@ -125,13 +125,13 @@ def checks_off(variant: str) -> Iterator[None]:
     if not variant.endswith("-unchecked"):
         yield
         return
-    record, changed = inputs.GradRecord.record, inputs.GradRecord.changed
+    record, compare = inputs.GradRecord.record, inputs.GradRecord.compare
     inputs.GradRecord.record = lambda self, items: None  # type: ignore[method-assign]
-    inputs.GradRecord.changed = lambda self, grad_of, indices: []  # type: ignore[method-assign]
+    inputs.GradRecord.compare = lambda self, grad_of, indices: inputs.GradComparison([])  # type: ignore[method-assign]
     try:
         yield
     finally:
-        inputs.GradRecord.record, inputs.GradRecord.changed = record, changed  # type: ignore[method-assign]
+        inputs.GradRecord.record, inputs.GradRecord.compare = record, compare  # type: ignore[method-assign]
 
 
 def run_variant(

@@ -425,7 +425,8 @@ CLIPS = ["norm-foreach", "norm", "with-norm", "value"]
 
 def fsdp2_clipping(rank: int, world: int, port: int, backend: str, result: Any, slow: bool = False) -> None:
     """Every clipping variant on FSDP2's grads: sync and overlap are bitwise with the plain loop; step_in_backward is
-    refused before any update when the loop clips from its first iteration, and at step() when it starts later.
+    refused before any update when the loop clips from its first iteration, and at step() (or, on a GPU, before
+    the next update) when it starts later.
     ``slow``: every chunk's step starts about 10 ms late on its stream (a GPU), so that a missing wait shows."""
     from reference import slowed_chunk_steps
 
@@ -462,17 +463,17 @@ def _clipping_outcomes(rank: int, device: torch.device) -> dict[str, str]:
                 if mode != "sync":
                     opt.attach(model)
                 refused = None
-                for step in range(4):
-                    x, y = _batch(step, rank, device)
-                    torch.nn.functional.mse_loss(model(x), y).backward()
-                    if not late or step == 2:
-                        _clip(clip, list(model.parameters()))
-                    try:
+                try:
+                    for step in range(4):
+                        x, y = _batch(step, rank, device)
+                        torch.nn.functional.mse_loss(model(x), y).backward()
+                        if not late or step == 2:
+                            _clip(clip, list(model.parameters()))
                         opt.step()
-                    except RuntimeError as exc:
-                        refused = str(exc)
-                        break
-                    opt.zero_grad()
+                        opt.zero_grad()
+                    opt.wait_step()
+                except RuntimeError as exc:  # a GPU may find a late change only after step() returned
+                    refused = str(exc)
                 key = f"{clip}/{mode}{'/late' if late else ''}"
                 if mode != "backward":
                     opt.synchronize()
@@ -485,7 +486,8 @@ def _clipping_outcomes(rank: int, device: torch.device) -> dict[str, str]:
                     outcome[key] = "refused before any update"
                 else:
                     assert refused is not None and "already updated the params" in refused, refused
-                    outcome[key] = "refused at step()"
+                    late_found = "found after that step() had returned" in refused
+                    outcome[key] = "refused before the next update" if late_found else "refused at step()"
     return outcome
 
 

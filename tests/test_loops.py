@@ -211,6 +211,42 @@ def test_a_change_after_backwards_that_stepped_is_refused_at_step(change: str) -
         opt.step()
 
 
+@pytest.mark.parametrize("then", ["next backward", "wait_step", "step"])
+def test_a_change_found_after_step_returned_is_refused_before_the_next_update(
+    then: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """[Note: Checks off the host]: on a GPU the comparison is read once the device has computed it; here it never
+    has by the time step() returns, so the first call that must not run on the change refuses it."""
+    from chunked_offload import inputs
+
+    monkeypatch.setattr(inputs.GradComparison, "ready", lambda self: False)
+    model, opt = build("backward")
+    train(model, opt, range(2))
+    loss_of(model, 2).backward()
+    _clip(2, model, opt)
+    opt.step()  # returns: the outcome is not read yet
+    after = params_of(model)
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match="already updated the params .* found after that step"):
+        if then == "next backward":
+            loss_of(model, 3).backward()
+        elif then == "wait_step":
+            opt.wait_step()
+        else:
+            opt.step()
+    assert_untouched(model, after)
+    assert internals(opt).runner.loop.observing  # the next backward observes the loop again
+    opt.zero_grad()
+    train(model, opt, range(3, 4))  # and the loop goes on
+
+
+def test_an_unchanged_loop_whose_checks_are_read_late_steps_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    from chunked_offload import inputs
+
+    monkeypatch.setattr(inputs.GradComparison, "ready", lambda self: False)
+    same_loop("backward", "fp32")
+
+
 def test_a_grad_replaced_by_an_equal_one_steps_bitwise() -> None:
     """The check compares contents: a copy of the same grad changes nothing the update reads."""
 

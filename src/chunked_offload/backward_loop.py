@@ -9,7 +9,7 @@ from typing import Any
 from . import backward_watch as refusals
 from .backward_watch import ObservedBackward
 from .in_backward import BackwardOrder, BackwardSchedule
-from .inputs import GradRecord, GroupSnapshot
+from .inputs import GradComparison, GradRecord, GroupSnapshot
 from .pipeline import ChunkPipeline
 from .planner import Chunk
 
@@ -39,6 +39,7 @@ class BackwardLoop:
         self.observation: ObservedBackward | None = None
         self._groups_after: GroupSnapshot | None = None  # the groups as the last step in the backward left them
         self._suspended = 0  # inside step(closure): backward passes do not step
+        self._pending: GradComparison | None = None  # the last step()'s comparison, while its outcome is unread
 
     def _indices(self) -> list[int]:
         return [i for c in self.chunks() for i in c.params]
@@ -97,13 +98,32 @@ class BackwardLoop:
 
     def finish(self, backward: BackwardSchedule | None, scaled: bool) -> None:
         """``step()`` after a backward that stepped: refuse what changed the grads or the groups after the update
-        (the next backward then observes the loop again)."""
+        (the next backward then observes the loop again). The grads are compared on the device; the outcome is read
+        now if it is there, else before the next update ([Note: Checks off the host])."""
+        self.settle()
         message = refusals.SCALED_IN_BACKWARD if scaled else None
         if message is None and backward is not None:
-            message = self._changes(backward.grads, self._groups_after, stepped=True)
+            written = self._groups_after.changes(self.groups) if self._groups_after is not None else []
+            message = refusals.changes_refusal([], written, stepped=True)
+            if message is None:
+                with self.pipeline.gate.stepping():  # after the caller's work and the step stream's own records
+                    self._pending = backward.grads.compare(self.pipeline.grad_of, self._indices())
+                self.settle(wait=False)
         if message:
             self.observing = True
             raise RuntimeError(message)
+
+    def settle(self, wait: bool = True) -> None:
+        """Read the outcome of the last ``step()``'s comparison of the grads, and refuse a change; ``wait=False``:
+        only if the device has computed it."""
+        pending = self._pending
+        if pending is None or not (wait or pending.ready()):
+            return
+        self._pending = None
+        message = refusals.changes_refusal(pending.result(), [], stepped=True)
+        if message:
+            self.observing = True
+            raise RuntimeError(message if not wait else message + refusals.FOUND_LATE)
 
     def _changes(self, grads: GradRecord, groups: GroupSnapshot | None, *, stepped: bool) -> str | None:
         """Why a step whose grads or group values changed since the backward is refused, or None."""

@@ -12,6 +12,7 @@ from .inputs import GradRecord, GroupSnapshot
 
 __all__ = [
     "CLOSURE_AFTER_BACKWARD",
+    "FOUND_LATE",
     "SCALED_IN_BACKWARD",
     "SECOND_BACKWARD",
     "ObservedBackward",
@@ -210,6 +211,12 @@ def changes_refusal(changed: Sequence[int], written: Sequence[str], *, stepped: 
             "step_in_backward=False"
         )
     return f"step_in_backward=True: {what}; {when}. {fix}"
+
+
+FOUND_LATE = (
+    ". This was found after that step() had returned (step() does not wait for the device to compare the grads); no "
+    "param has been updated since"
+)
 
 
 def aborted_note(stepped: int, total: int) -> str:

@@ -9,7 +9,7 @@ import torch
 
 from .dtensor import local, rewrap
 
-__all__ = ["GradRecord", "GroupSnapshot", "OwnedGrads", "ParamWatch", "fingerprints"]
+__all__ = ["GradComparison", "GradRecord", "GroupSnapshot", "OwnedGrads", "ParamWatch", "fingerprints"]
 
 # [Note: Inputs of a step]
 # A step that runs, or finishes, after the caller's code has moved on reads what that code may change next. Each mode
@@ -158,24 +158,64 @@ class GradRecord:
     def __contains__(self, index: int) -> bool:
         return index in self._meta
 
-    def changed(self, grad_of: Callable[[int], torch.Tensor | None], indices: Iterable[int]) -> list[int]:
-        """The params among ``indices`` whose grad now differs from the recorded one (or has appeared or gone)."""
+    def compare(self, grad_of: Callable[[int], torch.Tensor | None], indices: Iterable[int]) -> GradComparison:
+        """Compare the params among ``indices`` with their grads now, on the current stream; the host does not wait
+        for the outcome ([Note: Checks off the host])."""
         changed: list[int] = []
         for i in indices:
             meta, g = self._meta.get(i), grad_of(i)
             if (g is None) != (meta is None) or (g is not None and meta != (tuple(g.shape), g.dtype)):
                 changed.append(i)
         if changed or not self._where:
-            return changed
+            return GradComparison(changed)
         order = list(self._where)
         recorded = torch.cat(self._sums)
         if len(order) < self._count:  # some were recorded again: keep each one's latest
             recorded = recorded[torch.tensor([self._where[i] for i in order], device=recorded.device)]
         now = fingerprints([grad_of(i) for i in order])  # type: ignore[misc]
-        differs = now != recorded
-        if bool(differs.any()):
-            changed = [order[k] for k in differs.nonzero().flatten().tolist()]
-        return changed
+        return GradComparison(order, now != recorded)
+
+    def changed(self, grad_of: Callable[[int], torch.Tensor | None], indices: Iterable[int]) -> list[int]:
+        """The params among ``indices`` whose grad now differs from the recorded one (or has appeared or gone)."""
+        return self.compare(grad_of, indices).result()
+
+
+class GradComparison:
+    """The outcome of ``GradRecord.compare``: the params whose grads changed, read once the device has computed it.
+
+    [Note: Checks off the host]
+    Reading a comparison's outcome on the host waits for the device to run everything enqueued before it: after a
+    backward that stepped, that is the rest of the backward and the chunks still stepping, 0.19 s of a 0.53 s
+    iteration at 16 x 2048 on the H200, and the device then idles while the host enqueues the next forward (3.3% of
+    the iteration). So the outcome is copied to the host behind an event, and ``step()`` reads it only if the device
+    has already computed it (always on the CPU); otherwise the first call that must not run on a changed input reads
+    it: the next backward's first step, ``step()``, or anything that joins the step (``wait_step()``,
+    ``state_dict()``, ...). A change is refused there, before any param is updated again.
+    """
+
+    def __init__(self, order: Sequence[int], differs: torch.Tensor | None = None) -> None:
+        self._order = list(order)
+        self._changed: list[int] | None = None if differs is not None else self._order
+        self._event: torch.cuda.Event | None = None
+        if differs is not None and differs.is_cuda:
+            differs = differs.to("cpu", non_blocking=True)  # page-locked: the copy is ordered on this stream
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._differs = differs
+
+    def ready(self) -> bool:
+        """Whether ``result()`` can be read without waiting for the device."""
+        return self._event is None or self._event.query()
+
+    def result(self) -> list[int]:
+        """The params whose grads changed (waits for the device if not ``ready()``)."""
+        if self._changed is None:
+            assert self._differs is not None
+            if self._event is not None:
+                self._event.synchronize()
+            self._changed = [self._order[k] for k in self._differs.nonzero().flatten().tolist()]
+            self._differs = self._event = None
+        return self._changed
 
 
 def _group_values(group: Mapping[str, Any]) -> dict[str, Any]:

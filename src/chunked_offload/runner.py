@@ -170,7 +170,9 @@ class StepRunner:
         return chunks
 
     def _prepare(self) -> None:
-        """Before a step opens: deferred chunks go first, the layout is brought up to date, resident state is back."""
+        """Before a step opens: the last step's checks are read, deferred chunks go first, the layout is brought up
+        to date, resident state is back."""
+        self.loop.settle()
         self.flush()
         self.schedule.watch.settle()
         with self.installing():
@@ -300,13 +302,15 @@ class StepRunner:
             self.phase.to(Phase.DEFERRED if self.schedule.deferred is not None else Phase.IDLE)
 
     def join(self) -> None:
-        """Order the caller's stream after the whole last step."""
+        """Order the caller's stream after the whole last step (and read its checks)."""
+        self.loop.settle()
         self.flush()
         self.gate.join()
         self.schedule.watch.settle()  # the caller's stream is ordered after every update now
 
     def synchronize(self) -> None:
-        """Block the host until the last step's updates and write-backs have landed."""
+        """Block the host until the last step's updates and write-backs have landed (and read its checks)."""
+        self.loop.settle()
         self.flush()
         self.placement.synchronize()
 

