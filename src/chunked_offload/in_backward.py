@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 
+from torch.autograd.profiler import record_function
+
 from .backward_watch import TaskWatch
 from .context import OpenStep
 from .dtensor import local
@@ -13,6 +15,7 @@ from .inputs import GradRecord
 from .pipeline import ChunkPipeline, Event, Pending
 from .planner import Chunk
 from .staging import Slot
+from .telemetry import CHUNK_SCOPE
 
 __all__ = ["BackwardOrder", "BackwardSchedule"]
 
@@ -202,19 +205,20 @@ class BackwardSchedule:
         fresh = self._fresh[chunk.index]
         pending: Pending | None = None
         try:
-            pipeline.flush_write_back()  # a chunk held as the last one was not: its slot may be needed
-            slot, matched, event = self._slot_for(chunk)
-            with pipeline.gate.stepping():
-                if not fresh and not matched:
-                    event = pipeline.stage(chunk, slot)
-                pending = pipeline.step(chunk, slot, fresh, event, self.counters)
-                pipeline.commit(chunk, pending, hold=last)
-                pending = None
-                self.grads.record([(i, pipeline.grad_of(i)) for i in chunk.params])
-            self._last_used[slot.index] = position
-            self._done.append(chunk)
-            self.record.add_chunk(chunk, pipeline.store(chunk), fresh, pipeline.pool)
-            self._fill()
+            with record_function(CHUNK_SCOPE):
+                pipeline.flush_write_back()  # a chunk held as the last one was not: its slot may be needed
+                slot, matched, event = self._slot_for(chunk)
+                with pipeline.gate.stepping():
+                    if not fresh and not matched:
+                        event = pipeline.stage(chunk, slot)
+                    pending = pipeline.step(chunk, slot, fresh, event, self.counters)
+                    pipeline.commit(chunk, pending, hold=last)
+                    pending = None
+                    self.grads.record([(i, pipeline.grad_of(i)) for i in chunk.params])
+                self._last_used[slot.index] = position
+                self._done.append(chunk)
+                self.record.add_chunk(chunk, pipeline.store(chunk), fresh, pipeline.pool)
+                self._fill()
         except BaseException as exc:
             committed = len(self._done) + (1 if self.abort(pending) else 0)
             note_failure(exc, chunk, position, committed, len(self.expected))

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
+from torch.autograd.profiler import record_function
 
 from .adapters import Adapter
 from .context import GroupCounters, OpenStep
@@ -16,7 +17,7 @@ from .failures import note_failure
 from .inputs import OwnedGrads, ParamWatch
 from .pipeline import ChunkPipeline, Event, Pending
 from .planner import Chunk
-from .telemetry import StepRecord
+from .telemetry import CHUNK_SCOPE, StepRecord
 
 __all__ = ["ReadOrder", "StepSchedule"]
 
@@ -221,20 +222,21 @@ class StepSchedule:
                 for pos in range(run.next, last + 1):
                     run.position = pos
                     chunk = chunks[pos]
-                    ahead = pos + pipeline.lookahead
-                    if ahead < len(chunks) and not fresh[ahead] and ahead not in events:
-                        events[ahead] = pipeline.stage(chunks[ahead], pipeline.slot_for(ahead))
-                    slot = pipeline.slot_for(pos)
-                    if not fresh[pos] and pos not in events:
-                        events[pos] = pipeline.stage(chunk, slot)
-                    with self._owned_grads(run, chunk):
-                        run.pending = pipeline.step(chunk, slot, fresh[pos], events.pop(pos, None), run.counters)
-                    pipeline.commit(chunk, run.pending)
-                    run.pending = None
-                    run.owned.release(chunk.params)
-                    run.committed += 1
-                    run.next = pos + 1
-                    run.record.add_chunk(chunk, pipeline.store(chunk), fresh[pos], pipeline.pool)
+                    with record_function(CHUNK_SCOPE):
+                        ahead = pos + pipeline.lookahead
+                        if ahead < len(chunks) and not fresh[ahead] and ahead not in events:
+                            events[ahead] = pipeline.stage(chunks[ahead], pipeline.slot_for(ahead))
+                        slot = pipeline.slot_for(pos)
+                        if not fresh[pos] and pos not in events:
+                            events[pos] = pipeline.stage(chunk, slot)
+                        with self._owned_grads(run, chunk):
+                            run.pending = pipeline.step(chunk, slot, fresh[pos], events.pop(pos, None), run.counters)
+                        pipeline.commit(chunk, run.pending)
+                        run.pending = None
+                        run.owned.release(chunk.params)
+                        run.committed += 1
+                        run.next = pos + 1
+                        run.record.add_chunk(chunk, pipeline.store(chunk), fresh[pos], pipeline.pool)
                 if run.next == len(chunks):
                     run.record.compute_done()
         except BaseException as exc:

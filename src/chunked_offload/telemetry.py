@@ -13,7 +13,10 @@ from .staging import StagingPool
 from .storage import Store
 from .transfer import TransferEngine
 
-__all__ = ["StepRecord", "StepStats"]
+# The profiler scope of the host's work for one chunk of a step (``benchmarks/trace_summary.py`` reads it).
+CHUNK_SCOPE = "chunked_offload::chunk"
+
+__all__ = ["CHUNK_SCOPE", "StepRecord", "StepStats"]
 
 logger = logging.getLogger(__name__)
 
