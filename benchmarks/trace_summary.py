@@ -60,9 +60,7 @@ def main() -> None:
     for path in paths:
         s = summarise(path, args.iters)
         name = path.name.removesuffix(".gz").removesuffix(".json")
-        print(
-            f"{name:>34} {s['span_ms']:8.1f} {s['idle_ms']:17.2f} {s['chunks']:12.1f} {s['host_ms_per_chunk']:14.3f}"
-        )
+        print(f"{name:>34} {s['span_ms']:8.1f} {s['idle_ms']:17.2f} {s['chunks']:12.1f} {s['host_ms_per_chunk']:14.3f}")
 
 
 if __name__ == "__main__":

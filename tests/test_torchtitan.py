@@ -25,10 +25,12 @@ REFUSED = ["backward/clip", "backward/clip/compiled"]
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_torchtitan_loops_are_bitwise_or_refused(world: int) -> None:
-    result = _spawn(titan_cases.titan_parity, BITWISE + REFUSED, world=world)
+    """The compiled variants run at world size 1 (compiling is most of this test's time); FSDP2 is the same there."""
+    variants = [v for v in BITWISE + REFUSED if world == 1 or "compiled" not in v]
+    result = _spawn(titan_cases.titan_parity, variants, world=world)
     for rank in range(world):
         outcomes = result[rank]
-        for variant in BITWISE:
+        for variant in (v for v in BITWISE if v in variants):
             assert outcomes[variant] == "bitwise", (variant, outcomes[variant])
-        for variant in REFUSED:
+        for variant in (v for v in REFUSED if v in variants):
             assert outcomes[variant].startswith("refused:") and "Nothing was updated" in outcomes[variant], variant

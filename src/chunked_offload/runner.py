@@ -170,9 +170,7 @@ class StepRunner:
         return chunks
 
     def _prepare(self) -> None:
-        """Before a step opens: the last step's checks are read, deferred chunks go first, the layout is brought up
-        to date, resident state is back."""
-        self.loop.settle()
+        """Before a step opens: deferred chunks go first, the layout is brought up to date, resident state is back."""
         self.flush()
         self.schedule.watch.settle()
         with self.installing():
@@ -283,7 +281,8 @@ class StepRunner:
 
     # ------------------------------------------------------------------ waiting for the step
     def flush(self) -> None:
-        """Enqueue every deferred chunk of the last step (and close a step whose backward raised)."""
+        """Read the last step's checks, enqueue its deferred chunks (and close a step whose backward raised)."""
+        self.loop.settle()  # [Note: Checks off the host]
         self.reap()
         if self.phase.phase is Phase.DEFERRED:
             self.advance(None)
@@ -302,15 +301,13 @@ class StepRunner:
             self.phase.to(Phase.DEFERRED if self.schedule.deferred is not None else Phase.IDLE)
 
     def join(self) -> None:
-        """Order the caller's stream after the whole last step (and read its checks)."""
-        self.loop.settle()
+        """Order the caller's stream after the whole last step."""
         self.flush()
         self.gate.join()
         self.schedule.watch.settle()  # the caller's stream is ordered after every update now
 
     def synchronize(self) -> None:
-        """Block the host until the last step's updates and write-backs have landed (and read its checks)."""
-        self.loop.settle()
+        """Block the host until the last step's updates and write-backs have landed."""
         self.flush()
         self.placement.synchronize()
 
