@@ -38,9 +38,9 @@ def test_prefetch_is_taken_over_by_the_step() -> None:
     for step in range(1, 5):
         set_grads(params, make_grads(params, step))
         opt.prefetch()
-        assert internals(opt).pool.allocated and internals(opt).pipeline.prefetched
+        assert internals(opt).pool.allocated and internals(opt).pipeline.ahead.active
         opt.step()
-        assert not internals(opt).pipeline.prefetched and not internals(opt).pool.allocated
+        assert not internals(opt).pipeline.ahead.active and not internals(opt).pool.allocated
         opt.zero_grad()
     assert_pair_equal(ref, ref_params, opt, params)
 
@@ -94,7 +94,7 @@ def test_a_prefetch_that_fails_frees_the_slots_and_the_step_stays_exact(monkeypa
     assert (
         not internals(opt).pool.allocated
         and internals(opt).schedule is not None
-        and not internals(opt).pipeline.prefetched
+        and not internals(opt).pipeline.ahead.active
     )
     opt.step()
     opt.zero_grad()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -39,8 +40,11 @@ def check_options(
     overlap: Any,
     step_in_backward: Any = False,
     gpu_headroom_mb: Any = None,
+    spill_dir: Any = None,
+    host_budget_mb: Any = None,
 ) -> None:
     """The constructor's keyword options."""
+    _check_disk_options(spill_dir, host_budget_mb)
     _check_mib("chunk_size_mb", chunk_size_mb, positive=True)
     if offload_fraction is not None and gpu_budget_mb is not None:
         raise ValueError(
@@ -80,6 +84,22 @@ def check_options(
     modes = [m.value for m in MasterMode]
     if master_weights not in modes:
         raise ValueError(f"master_weights must be one of {modes}, got {master_weights!r}")
+
+
+def _check_disk_options(spill_dir: Any, host_budget_mb: Any) -> None:
+    """``spill_dir`` and ``host_budget_mb`` ([Note: Disk tier]); ``spill.check_spill_dir`` checks the directory."""
+    if host_budget_mb is not None and spill_dir is None:
+        raise ValueError(
+            f"host_budget_mb={host_budget_mb!r} needs spill_dir: the state beyond the host budget lives in files "
+            "there. Pass spill_dir=PATH (a directory on a local disk), or leave host_budget_mb out"
+        )
+    if spill_dir is not None and not isinstance(spill_dir, (str, os.PathLike)):
+        raise TypeError(f"spill_dir must be a path (str or os.PathLike), got {type(spill_dir).__name__}")
+    if isinstance(host_budget_mb, str):
+        if host_budget_mb != "auto":
+            raise TypeError(f"host_budget_mb must be a number of MiB or 'auto', got {host_budget_mb!r}")
+    elif host_budget_mb is not None:
+        _check_mib("host_budget_mb", host_budget_mb, kind="a number of MiB or 'auto'")
 
 
 def _check_mib(name: str, value: Any, *, positive: bool = False, kind: str = "a number of MiB") -> None:

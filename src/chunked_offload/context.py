@@ -182,7 +182,8 @@ class StepContext:
         except BaseException:
             stack.close()
             raise
-        record = StepRecord(self.engine, self.placement.device)
+        disk = self.placement.layout.disk if self.placement.layout is not None else None
+        record = StepRecord(self.engine, self.placement.device, None if disk is None else disk.stats)
         record.overlapped = self.gate.stream is not None
         return OpenStep(counters, record, stack)
 

@@ -240,8 +240,8 @@ class BackwardSchedule:
         if idle:
             return min(idle, key=self._age), False, None
         index = max(self._staged, key=lambda k: self._position[self._staged[k][0].index])
-        dropped, _ = self._staged.pop(index)
-        self.pipeline.release_staged(slots[index])
+        dropped, dropped_event = self._staged.pop(index)
+        self.pipeline.release_staged(slots[index], dropped, dropped_event)
         self.record.add_dropped_stage(dropped, self.pipeline.store(dropped))
         self._cursor = min(self._cursor, self._position[dropped.index])
         return slots[index], False, None

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .adapters import Adapter
+from .disk import DiskStore
 from .dtensor import like_param, local, same_tensor
 from .host_arena import typed_view
 from .masters import MASTER, MasterMode, needs_master
@@ -111,10 +112,11 @@ class Layout:
     group_signatures: list[Hashable]
     bound: Views
     stale: str | None = None  # why the next step must re-plan (``relayout``)
+    disk: DiskStore | None = None  # the files of the chunks on disk ([Note: Disk tier])
 
     def store(self, chunk: Chunk) -> Store:
         """Where ``chunk``'s moving bytes live between steps ([Note: Storage seam] in storage.py)."""
-        return stores_by_home(self.host, self.resident)[chunk.home]
+        return stores_by_home(self.host, self.resident, self.disk)[chunk.home]
 
     def rebind(self, index: int) -> None:
         """Recompute what entries hold for param ``index`` after its homes moved."""
@@ -134,17 +136,21 @@ class Layout:
         """Make ``flat`` (a copy of the resident store's memory elsewhere) the resident chunks' memory; rebind their
         entries."""
         for chunk in self.plan.resident_chunks:
-            views = chunk_views(chunk, self.infos, flat, shift=-chunk.home_offset, roles=_MOVING)
-            for i, new_homes in views.items():
-                home, old_bound = self.homes[i], dict(self.bound[i])
-                for key in list(home):
-                    home[key] = new_homes[key]
-                self.rebind(i)
-                entry = state.get(self.infos[i].param)
-                for key, held in old_bound.items():
-                    if entry and entry.get(key) is held:
-                        bind(entry, key, self.bound[i][key])
+            self.move_chunk(chunk, flat, state, shift=-chunk.home_offset)
         self.resident.flat = flat
+
+    def move_chunk(self, chunk: Chunk, flat: torch.Tensor, state: Mapping[torch.Tensor, Any], shift: int = 0) -> None:
+        """Make ``flat`` (from byte ``-shift``) the memory of ``chunk``'s homes; rebind the entries that held them."""
+        views = chunk_views(chunk, self.infos, flat, shift=shift, roles=_MOVING)
+        for i, new_homes in views.items():
+            home, old_bound = self.homes[i], dict(self.bound[i])
+            for key in list(home):
+                home[key] = new_homes[key]
+            self.rebind(i)
+            entry = state.get(self.infos[i].param)
+            for key, held in old_bound.items():
+                if entry and entry.get(key) is held:
+                    bind(entry, key, self.bound[i][key])
 
 
 def stepped_like(p: torch.Tensor, mode: MasterMode) -> torch.Tensor:

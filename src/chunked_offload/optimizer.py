@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterator, Mapping
@@ -71,6 +72,10 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
             ([Note: Step in backward]); ``step()`` then only checks and returns. Implies a stream of its own, as
             ``overlap``. For loops without gradient clipping or loss scaling; ``opt.accumulating()`` marks backward
             passes that must not step (gradient accumulation).
+        spill_dir: a directory on a local disk: the offloaded state beyond ``host_budget_mb`` lives in files there
+            ([Note: Disk tier]). None (default): all of it stays in host memory.
+        host_budget_mb: with ``spill_dir``, MiB of host memory the offloaded state and the disk tier's bounce buffers
+            may take; ``"auto"`` (default): what the host has available, less a headroom, shared by the node's ranks.
     """
 
     def __init__(
@@ -87,13 +92,15 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         overlap: bool = False,
         step_in_backward: bool = False,
         gpu_headroom_mb: float | None = None,
+        spill_dir: str | os.PathLike[str] | None = None,
+        host_budget_mb: float | Literal["auto"] | None = None,
     ) -> None:
         check_inner(inner, ChunkedOffloadOptimizer)
         # What a copy of the wrapper is built with (__reduce_ex__), checked here.
         self._options: dict[str, Any] = dict(
             chunk_size_mb=chunk_size_mb, offload_fraction=offload_fraction, num_slots=num_slots, overlap=overlap,
             master_weights=master_weights, gpu_budget_mb=gpu_budget_mb, step_in_backward=step_in_backward,
-            gpu_headroom_mb=gpu_headroom_mb,
+            gpu_headroom_mb=gpu_headroom_mb, spill_dir=spill_dir, host_budget_mb=host_budget_mb,
         )  # fmt: skip
         check_options(**self._options, pin_memory=pin_memory)
         check_wrappable(inner)
@@ -230,18 +237,15 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
     def prefetch(self) -> None:
         """Start bringing in the first chunk(s) of the next step now, for example right after backward.
 
-        The next ``step()`` takes the copies over, so its first chunk does not wait for the link. The staging slots
-        hold their memory from now until that step. If the grads change before it, or the state is written, the
-        step stages again what it needs. A no-op before the first step (its state is created on the device).
+        The next ``step()`` takes the copies over; the slots hold their memory until then. If the grads change or
+        the state is written before it, the step stages again. A no-op before the first step.
         """
         self._runner.prefetch()
 
     @property
     def stats(self) -> StepStats | None:
-        """Figures of the last ``step()`` (None before the first): bytes moved, seconds, GB/s, window, memory.
-
-        Reading it on a GPU waits for the last step to finish (its times come from CUDA events).
-        """
+        """Figures of the last ``step()`` (None before the first): bytes moved, seconds, GB/s, window, memory, disk.
+        Reading it on a GPU waits for the last step to finish (its times come from CUDA events)."""
         return self._waits.stats()
 
     def attach(self, model: torch.nn.Module, *, blocks: bool = False) -> AttachHandle:
@@ -251,8 +255,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         overlaps them ([Note: Overlapped step]). ``model.state_dict()`` and ``model.load_state_dict()`` wait for the
         step too. Returns a handle whose ``remove()`` takes the hooks off. Any other read of a param outside the
         forward of a module that holds it needs ``opt.wait_step()`` first (docs/tuning.md lists them).
-        ``blocks=True`` gates each element of an ``nn.ModuleList`` (a transformer layer) as a whole: under
-        torch.compile, one graph break per layer instead of one per module with params.
+        ``blocks=True`` gates each repeated block (a transformer layer) as a whole.
         """
         if not (self.overlap or self.step_in_backward):
             self._parts.notices.warn(
@@ -318,23 +321,20 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
     def offload(self, non_blocking: bool = False) -> MoveHandle:
         """Free the optimizer's device memory (resident state, and slots a ``prefetch()`` took) until ``reload()``.
 
-        Host copies stay canonical. Use it around phases that need the whole GPU (RL rollouts, evaluation). The
-        resident state is copied to page-locked host memory on a copy stream; its device memory goes back to
-        torch's allocator at once, which reuses it as soon as the copy has read it. Returns a handle whose
-        ``wait()`` blocks until the copy has landed; with ``non_blocking=False`` (default) that has happened on
-        return. A second call is a no-op that returns the first call's handle.
+        Use it around phases that need the whole GPU (RL rollouts, evaluation). The resident state is copied to
+        page-locked host memory on a copy stream; its device memory goes back to torch's allocator, which reuses it
+        once the copy has read it. The handle's ``wait()`` blocks until the copy has landed (on return, with
+        ``non_blocking=False``). A second call is a no-op that returns the first call's handle.
 
-        A state tensor read from ``opt.state`` before the call keeps its device memory while it is referenced, as
-        any tensor does; read ``opt.state`` again after the call.
+        A state tensor read from ``opt.state`` before the call keeps its device memory while it is referenced.
         """
         return self._runner.move_resident(True, non_blocking)
 
     def reload(self, non_blocking: bool = False) -> MoveHandle:
         """Bring back what ``offload()`` freed: the resident state (the slots come back with the next step).
 
-        The copy runs on a copy stream; the caller's stream and the next step are ordered after it, so only host
-        code that reads the resident state needs ``wait()`` on the returned handle (with ``non_blocking=False``, the
-        default, it has landed on return). A call when nothing is offloaded is a no-op.
+        The copy runs on a copy stream that the caller's stream and the next step wait for; host code that reads
+        the resident state calls the handle's ``wait()`` first. A no-op when nothing is offloaded.
         """
         return self._runner.move_resident(False, non_blocking)
 

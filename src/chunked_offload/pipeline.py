@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .disk import DiskStore
 from .gate import StepGate
 from .layout import Layout, Views, chunk_views
-from .planner import Chunk, Role
+from .planner import Chunk, Home, Role
+from .prefetch import Prefetcher
 from .staging import Slot, SlotState, StagingPool
 from .stepping import ChunkHooks, ChunkStepper, ChunkTxn
 from .storage import Store
@@ -21,16 +23,6 @@ __all__ = ["ChunkPipeline", "Pending"]
 _NON_STATE = (Role.MASTER, Role.REMAINDER, Role.TIE_BITS, Role.SCRATCH)
 
 Event = torch.cuda.Event | None
-
-
-@dataclass
-class _Prefetch:
-    """The H2D copies ``prefetch()`` started: which chunks, and the version of the homes they read."""
-
-    chunk_indices: list[int]
-    fresh: list[bool]
-    events: dict[int, Event]
-    home_version: int
 
 
 @dataclass
@@ -85,7 +77,7 @@ class ChunkPipeline:
         self.gate = gate
         self.layout: Layout | None = None
         self.stepper: ChunkStepper | None = None
-        self._prefetched: _Prefetch | None = None
+        self.ahead = Prefetcher(self)  # what ``opt.prefetch()`` staged for the next step
         self._held: tuple[Chunk, Pending, Event] | None = None  # [Note: Held write-back]; the event: its step
         self._landing: tuple[int, Event] | None = None  # a chunk whose held write-back this step enqueued, its event
         self._active = False  # between start() and finish(): the slots belong to a step
@@ -131,8 +123,11 @@ class ChunkPipeline:
         Runs on the caller's stream: the slots' blocks come from its pool, so that forward and backward reuse them
         between steps ([Note: Slot memory between steps]).
         """
+        layout = self._require()[0]
         if not all(fresh):
-            self.pool.acquire(self._require()[0].plan.slot_nbytes)
+            self.pool.acquire(layout.plan.slot_nbytes)
+        if layout.disk is not None:  # its reader threads start on the files of the chunks staged first
+            layout.disk.expect([c for c, f in zip(chunks, fresh, strict=True) if not f])
         self._active = True
         self.engine.begin_step()
         self.flush_write_back()  # after begin_step: only this chunk's own H2D waits for it (``stage``)
@@ -140,61 +135,28 @@ class ChunkPipeline:
             pos: self.stage(chunks[pos], self.slot_for(pos)) for pos in range(min(depth, len(chunks))) if not fresh[pos]
         }
 
-    def prefetch(self, chunks: Sequence[Chunk]) -> None:
-        """Start the H2D of the first chunks a step of ``chunks`` will stage; ``take_prefetch`` hands them over.
-
-        The slots hold their memory from now until that step. If the step turns out to need other chunks, or the
-        homes are written in between, the staged bytes are dropped and the step stages them again.
-        """
-        self.drop_prefetch()
-        fresh = [not self.has_state(c) for c in chunks]
-        if not chunks or fresh[0]:
-            return  # a first step creates its state on the device: nothing to bring in early
-        depth = max(1, self.lookahead)
-        try:
-            events = self.start(chunks, fresh, depth)
-        except BaseException:
-            self.drain_and_release()  # nothing was modified (an H2D only reads the homes); the step stages again
-            raise
-        self._prefetched = _Prefetch([c.index for c in chunks[:depth]], fresh[:depth], events, self.engine.home_version)
-
-    def take_prefetch(self, chunks: Sequence[Chunk], fresh: Sequence[bool]) -> dict[int, Event] | None:
-        """The H2D events of a prefetch that matches this step's first chunks, or None (after dropping any other)."""
-        taken = self._prefetched
-        if taken is None:
-            return None
-        n = len(taken.chunk_indices)
-        if (
-            taken.home_version == self.engine.home_version
-            and [c.index for c in chunks[:n]] == taken.chunk_indices
-            and list(fresh[:n]) == taken.fresh
-        ):
-            self._prefetched = None
-            return taken.events
-        self.drop_prefetch()
-        return None
-
-    def drop_prefetch(self) -> None:
-        """Give back what ``prefetch`` took: wait for its copies, free the slots."""
-        if self._prefetched is not None:
-            self._prefetched = None
-            self.drain_and_release()
-
     def stage(self, chunk: Chunk, slot: Slot) -> Event:
         """The H2D (a D2D for resident chunks) of a chunk that has state; see [Note: Two-slot staging]."""
         n = chunk.transfer_nbytes
         buffer = self._buffer(slot)
         if self._landing is not None and self._landing[0] == chunk.index:
             self.engine.h2d_after(self._landing[1])  # its home is still being written by its held write-back
-        return self.engine.stage_in(slot, [(buffer[:n], self._home_region(chunk, n))] if n else [])
+        disk = self._disk(chunk)
+        source = disk.load(chunk) if disk is not None else self._home_region(chunk, n)  # a file: via its bounce
+        return self.engine.stage_in(slot, [(buffer[:n], source[:n])] if n else [])
 
-    def release_staged(self, slot: Slot) -> None:
-        """A chunk was staged in ``slot`` but another takes the slot: its H2D queues behind the one it replaces.
+    def release_staged(self, slot: Slot, chunk: Chunk, event: Event) -> None:
+        """``chunk`` was staged in ``slot`` but another takes the slot: its H2D queues behind the one it replaces.
 
         A new H2D on the same stream keeps the waits the slot already has, so the slot goes back to where it was
-        before that H2D.
+        before that H2D. A chunk on disk gives its bounce back once that H2D has read it.
         """
         slot.advance((SlotState.LOADING,), SlotState.DRAINING)
+        disk = self._disk(chunk)
+        if disk is not None:
+            if event is not None:
+                event.synchronize()
+            disk.release(chunk)
 
     def step(self, chunk: Chunk, slot: Slot, fresh: bool, h2d_event: Event, hooks: ChunkHooks) -> Pending:
         """Step one chunk in ``slot``: a fresh one in memory of its own, a staged one after its H2D (started)."""
@@ -209,6 +171,9 @@ class ChunkPipeline:
         slot until ``flush_write_back`` ([Note: Held write-back]).
         """
         pending.committing = True
+        if self._disk(chunk) is not None:
+            self._commit_to_disk(chunk, pending)
+            return
         if hold and self.store(chunk).crosses_link and pending.pairs and not pending.retain:
             self.flush_write_back()  # at most one is held
             stepped = self.engine.step_done()
@@ -216,6 +181,25 @@ class ChunkPipeline:
             self._held = (chunk, pending, stepped)
             return
         self.gate.mark_ready(chunk.params, self.engine.write_back(pending.slot, pending.pairs, pending.retain))
+
+    def _commit_to_disk(self, chunk: Chunk, pending: Pending) -> None:
+        """The write-back of a chunk on disk lands in its bounce, which goes to a new file; the chunk is committed once
+        that file has replaced the old one ([Note: Disk tier])."""
+        disk, layout = self._disk(chunk), self.require_layout()
+        assert disk is not None
+        try:
+            stepped = self.engine.write_back(pending.slot, pending.pairs, pending.retain)
+            if pending.slot.free_event is not None:
+                pending.slot.free_event.synchronize()
+            layout.move_chunk(chunk, disk.persist(chunk), self.require_stepper().inner.state)
+        except BaseException:
+            pending.committing = False  # the old file is still the chunk's: abort() rolls it back
+            raise
+        self.gate.mark_ready(chunk.params, stepped)
+
+    def _disk(self, chunk: Chunk) -> DiskStore | None:
+        """The disk store, for a chunk on disk."""
+        return self.layout.disk if self.layout is not None and chunk.home is Home.DISK else None
 
     def flush_write_back(self) -> None:
         """Enqueue the held write-back, if any ([Note: Held write-back]); between steps its slot's memory goes back
@@ -240,17 +224,18 @@ class ChunkPipeline:
         """The chunk whose write-back is held ([Note: Held write-back]), if any."""
         return None if self._held is None else self._held[0]
 
-    @property
-    def prefetched(self) -> bool:
-        """Whether a ``prefetch()`` has staged chunks that the next step takes over."""
-        return self._prefetched is not None
-
     def finish(self) -> None:
         """The step is done: fresh tensors and the slots' memory go back once the D2H stream has read them (all but
         a slot that holds a write-back)."""
         self.engine.end_step(self.pool.slots)
         self.pool.release(self.engine.d2h_stream, keep=self.held_slot)
+        self._release_bounces()
         self._active, self._landing = False, None
+
+    def _release_bounces(self) -> None:
+        """Every chunk on disk is written or was not stepped: the bounces are free (their reads end first)."""
+        if self.layout is not None and self.layout.disk is not None:
+            self.layout.disk.release_all()
 
     def synchronize(self) -> None:
         """Block until every write-back, the held one too, has landed in the homes."""
@@ -266,6 +251,7 @@ class ChunkPipeline:
         """Enqueue the held write-back, wait for every copy; the slots return to FREE (their memory stays)."""
         self.flush_write_back()
         self.engine.drain(self.pool.slots)
+        self._release_bounces()
 
     def drain_and_release(self) -> None:
         """Wait for every copy, then free the slots (after a failure, or when staged bytes are dropped)."""
@@ -321,7 +307,9 @@ class ChunkPipeline:
         buffer = self._buffer(slot)
         _, txn = stepper.run(chunk, chunk_views(chunk, layout.infos, buffer), hooks, fresh=False)
         n = chunk.transfer_nbytes
-        return Pending(slot, txn, [(self._home_region(chunk, n), buffer[:n])] if n else [])
+        disk = self._disk(chunk)
+        home = disk.bounce_of(chunk) if disk is not None else self._home_region(chunk, n)  # a file: via its bounce
+        return Pending(slot, txn, [(home[:n], buffer[:n])] if n else [])
 
     def step_fresh(self, chunk: Chunk, slot: Slot, hooks: ChunkHooks) -> Pending:
         """First step of a chunk: the inner optimizer creates its state on the device; D2H reads it directly."""
@@ -332,6 +320,9 @@ class ChunkPipeline:
         extra = wrapper_nbytes + chunk.region_nbytes[2]
         temp = torch.empty(extra, dtype=torch.uint8, device=self.pool.device) if extra else None
         wrapper_home = self._home_region(chunk, wrapper_nbytes, offset=chunk.state_nbytes)
+        if (disk := self._disk(chunk)) is not None:
+            disk.load(chunk)  # a file: its first step reads and writes its bounce, as a later step does
+            wrapper_home = disk.in_bounce(chunk, wrapper_home)
         h2d = [(temp[:wrapper_nbytes], wrapper_home)] if temp is not None and wrapper_nbytes else []
         event = engine.stage_in(slot, h2d, fresh_memory=True)
         engine.wait_staged(slot, event)
@@ -340,7 +331,7 @@ class ChunkPipeline:
         else:
             views = chunk_views(chunk, layout.infos, temp, shift=chunk.state_nbytes, roles=_NON_STATE)
         fresh_pairs, txn = stepper.run(chunk, views, hooks, fresh=True)
-        pairs = list(fresh_pairs)
+        pairs = [(h, t) if disk is None else (disk.in_bounce(chunk, h), t) for h, t in fresh_pairs]
         retain = [t for _, t in fresh_pairs]
         if temp is not None:
             if wrapper_nbytes:

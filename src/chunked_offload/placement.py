@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from .masters import MasterMode, needs_master, read_master, write_master
 from .pipeline import ChunkPipeline
 from .planner import ChunkPlan
 from .planning import describe, place, plan_layout
+from .spill import check_free_space, spill
 from .state_table import StateBinding, StateTable
 from .stepping import ChunkStepper
 from .transfer import MoveHandle, TransferEngine
@@ -37,6 +39,8 @@ class PlanOptions:
     num_slots: int
     offload_fraction: float
     gpu_budget: int | None  # device bytes the wrapper may hold; None: by ``offload_fraction``
+    spill_dir: Path | None = None  # the disk tier's directory ([Note: Disk tier]); None: no disk tier
+    host_budget: int | None = None  # with ``spill_dir``: host bytes the offloaded chunks and the bounces may take
 
 
 @dataclass
@@ -190,6 +194,10 @@ class Placement:
             offload_fraction=options.offload_fraction,
             gpu_budget=options.gpu_budget,
         )
+        if options.spill_dir is not None and options.host_budget is not None:
+            plan = spill(plan, options.host_budget)
+            if plan.disk_chunks:
+                check_free_space(options.spill_dir, plan)  # before anything is allocated
         signatures = [self.adapter.layout_signature(dict(g)) for g in groups]
         old = self.layout
         same_params = (
@@ -199,15 +207,17 @@ class Placement:
         )
         reusable = old is not None and old.stale is None and not self.offloaded
         if old is not None and reusable and same_params and plan == old.plan:
-            same = Layout(plan, infos, old.homes, old.host, old.resident, signatures, old.bound)
+            same = Layout(plan, infos, old.homes, old.host, old.resident, signatures, old.bound, disk=old.disk)
             return Prepared(infos, same, False)
         self.pipeline.drain()  # the previous layout's homes are read below; no write-back may still be in flight
-        layout = place(plan, infos, old, signatures, pin=self.pin, device=self.device, mode=self.mode)
+        layout = place(
+            plan, infos, old, signatures, pin=self.pin, device=self.device, mode=self.mode, spill_dir=options.spill_dir
+        )
         return Prepared(infos, layout, True)
 
     def install(self, prepared: Prepared) -> None:
         """Switch to a prepared layout: move every state tensor into its new home."""
-        self.pipeline.drop_prefetch()
+        self.pipeline.ahead.drop()
         self.pipeline.drain()
         self.gate.clear()
         layout = prepared.layout
@@ -220,13 +230,19 @@ class Placement:
         binding.index_by_id = {id(info.param): info.index for info in prepared.infos}
         binding.dirty = False
         self.pipeline.bind(layout, ChunkStepper(self.inner, self.adapter, self.mode, layout))
+        self.trim()
+
+    def trim(self) -> None:
+        """Flush what was written into the disk tier's file maps, and drop their pages ([Note: Disk tier])."""
+        if self.layout is not None and self.layout.disk is not None:
+            self.layout.disk.trim()
 
     # ------------------------------------------------------------------ offload / reload
     def offload(self, non_blocking: bool) -> MoveHandle:
         """Move the resident state to page-locked host memory on a copy stream and re-home it there."""
         if self.offloaded:
             return self.last_move
-        self.pipeline.drop_prefetch()
+        self.pipeline.ahead.drop()
         return self._move_resident(True, non_blocking)
 
     def reload(self, non_blocking: bool) -> MoveHandle:

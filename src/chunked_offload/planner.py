@@ -55,6 +55,7 @@ class Home(enum.Enum):
 
     HOST = "host"  # the host arena: offloaded
     DEVICE = "device"  # a device buffer: resident (``offload_fraction < 1``); staged by device-to-device copies
+    DISK = "disk"  # a file per chunk under ``spill_dir``, read into page-locked bounce buffers ([Note: Disk tier])
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,22 @@ class ChunkPlan:
     @property
     def host_nbytes(self) -> int:
         """Size of the host arena."""
-        return max((c.home_offset + c.transfer_nbytes for c in self.chunks), default=0)
+        return max((c.home_offset + c.transfer_nbytes for c in self.chunks if c.home is Home.HOST), default=0)
+
+    @property
+    def disk_chunks(self) -> tuple[Chunk, ...]:
+        """The offloaded chunks whose home is a file ([Note: Disk tier])."""
+        return tuple(c for c in self.chunks if c.home is Home.DISK)
+
+    @property
+    def disk_nbytes(self) -> int:
+        """Bytes of the chunks' files."""
+        return sum(c.transfer_nbytes for c in self.disk_chunks)
+
+    @property
+    def bounce_nbytes(self) -> int:
+        """Bytes of one page-locked bounce buffer: the largest chunk on disk."""
+        return max((c.transfer_nbytes for c in self.disk_chunks), default=0)
 
     @property
     def resident_nbytes(self) -> int:
@@ -151,7 +167,7 @@ class ChunkPlan:
     @property
     def resident_share(self) -> float:
         """Share of the state's bytes that stay resident on the device."""
-        total = self.resident_nbytes + self.host_nbytes
+        total = self.resident_nbytes + self.host_nbytes + self.disk_nbytes
         return self.resident_nbytes / total if total else 0.0
 
     @property
@@ -183,6 +199,12 @@ class ChunkPlan:
             f" + {len(self.resident_chunks)} resident chunks, host arena {self.host_nbytes / mib:.1f} MiB, "
             f"resident {self.resident_nbytes / mib:.1f} MiB, slot {self.slot_nbytes / mib:.1f} MiB x "
             f"{self.num_slots}, window bound {self.window_bound_nbytes / mib:.1f} MiB"
+            + (
+                f", {len(self.disk_chunks)} chunks on disk ({self.disk_nbytes / mib:.1f} MiB, bounce "
+                f"{self.bounce_nbytes / mib:.1f} MiB x {self.num_slots + 1})"
+                if self.disk_chunks
+                else ""
+            )
         ]
         for c in self.all_chunks:
             lines.append(

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from .adapters import Adapter, spec_of
+from .disk import DiskStore
 from .dtensor import local, planning_weight
 from .host_arena import HostArena
 from .layout import BACKUP, IncompatibleStateError, Layout, ParamInfo, Views, signature, stepped_like
 from .masters import MASTER, REMAINDER, TIE_BITS, MasterMode, codec_workspace, master_specs
-from .planner import Bundle, Chunk, ChunkPlan, Role, TensorSpec, dense_spec, plan_chunks
+from .planner import Bundle, Chunk, ChunkPlan, Home, Role, TensorSpec, dense_spec, plan_chunks
 from .storage import DeviceStore, HostStore, stores_by_home
 
 __all__ = ["describe", "place", "plan_layout", "step_workspace"]
@@ -179,6 +181,7 @@ def place(
     pin: bool,
     device: torch.device,
     mode: MasterMode,
+    spill_dir: Path | None = None,
 ) -> Layout:
     """Allocate the stores of ``plan`` (host arena, resident buffer) and carry wrapper-owned masters over from
     ``previous``.
@@ -190,10 +193,16 @@ def place(
     if previous is not None and _host_layout(plan) == _host_layout(previous.plan):
         host = previous.host
     else:
-        host = HostStore(HostArena(plan.host_nbytes, pin=pin, boundaries=[c.home_offset for c in plan.chunks]))
+        host_chunks = [c for c in plan.chunks if c.home is Home.HOST]
+        host = HostStore(HostArena(plan.host_nbytes, pin=pin, boundaries=[c.home_offset for c in host_chunks]))
     flat = torch.empty(plan.resident_nbytes, dtype=torch.uint8, device=device) if plan.resident_chunks else None
     resident = DeviceStore(flat)
-    stores = stores_by_home(host, resident)
+    disk = None
+    if plan.disk_chunks:
+        if spill_dir is None:
+            raise RuntimeError("a plan with chunks on disk needs spill_dir")
+        disk = DiskStore(spill_dir, plan.disk_chunks, plan.num_slots + 1, pin=pin)  # a directory of its own
+    stores = stores_by_home(host, resident, disk)
     homes: Views = {}
     for chunk in plan.all_chunks:
         store = stores[chunk.home]
@@ -206,7 +215,7 @@ def place(
     for info in infos:
         if info.has_master:
             _seed_master(info, homes[info.index], old_homes.get(id(info.param)), mode)
-    layout = Layout(plan, infos, homes, host, resident, group_signatures, {})
+    layout = Layout(plan, infos, homes, host, resident, group_signatures, {}, disk=disk)
     for info in infos:
         layout.rebind(info.index)
     return layout
@@ -218,6 +227,7 @@ def _host_layout(plan: ChunkPlan) -> list[tuple[int, str, int]]:
     return [
         (i, s.key, c.home_offset + c.offsets[(i, s.key)])
         for c in plan.chunks
+        if c.home is Home.HOST
         for i in c.params
         for s in specs[i]
         if s.role.moves

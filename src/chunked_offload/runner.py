@@ -210,7 +210,7 @@ class StepRunner:
         """The first final grad of a backward: the checks and opening of ``step()``, then the first H2D."""
         self._prepare()  # a step() of grads set by hand may have deferred chunks: they go first
         self.phase.require("a backward pass that steps", Phase.IDLE)
-        self.pipeline.drop_prefetch()
+        self.pipeline.ahead.drop()
         self.context.run_inner_hooks("_optimizer_step_pre_hooks", (), {})
         self.phase.to(Phase.IN_BACKWARD)
         try:

@@ -155,7 +155,7 @@ class StepSchedule:
         if skip_staged:
             chunks = [c for c, f in zip(chunks, fresh, strict=True) if f]
             fresh = [True] * len(chunks)
-        events = pipeline.take_prefetch(chunks, fresh)
+        events = pipeline.ahead.take(chunks, fresh)
         if not chunks:
             pipeline.require_stepper().run_empty(step.counters)
             return
@@ -283,7 +283,7 @@ class StepSchedule:
 
     def prefetch(self, chunks: Sequence[Chunk]) -> None:
         """Start bringing in the first chunks of the next step now (the pipeline hands them to ``run``)."""
-        self.pipeline.prefetch(chunks)
+        self.pipeline.ahead.prefetch(chunks)
 
     def _fail(self, run: _Run, exc: BaseException) -> None:
         """Abort ``run`` after ``exc``: roll its failing chunk back (or forward), note in ``exc`` what happened."""

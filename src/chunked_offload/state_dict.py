@@ -124,6 +124,7 @@ def load(opt: torch.optim.Optimizer, placement: Placement, state_dict: Any) -> N
         if info.has_master:
             master = (entries.get(info.index) or {}).get(MASTER_KEY)
             placement.write_master(info, master if master is not None else info.param.detach().float())
+    placement.trim()  # what went into the disk tier's maps is on the disk now, not in memory
     for owner in (opt, inner):
         for post_hook in list(owner._optimizer_load_state_dict_post_hooks.values()):
             post_hook(owner)

@@ -99,6 +99,9 @@ class DeviceStore:
         return typed_view(self._require(), offset, spec)
 
 
-def stores_by_home(host: HostStore, resident: DeviceStore) -> dict[Home, Store]:
+def stores_by_home(host: HostStore, resident: DeviceStore, disk: Store | None = None) -> dict[Home, Store]:
     """Each home's store: the planner's rule gives a chunk its home, this gives the home its memory."""
-    return {Home.HOST: host, Home.DEVICE: resident}
+    stores: dict[Home, Store] = {Home.HOST: host, Home.DEVICE: resident}
+    if disk is not None:
+        stores[Home.DISK] = disk  # a DiskStore (disk.py): [Note: Disk tier]
+    return stores

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from .disk import DiskStats
 from .planner import Chunk
 from .staging import StagingPool
 from .storage import Store
@@ -41,6 +42,11 @@ class StepStats:
         resident_bytes: device memory holding resident state between steps.
         resident_share: share of the state's bytes resident on the device (``gpu_budget_mb="auto"`` moves it).
         pinned_host_bytes: page-locked host memory of the arena.
+        disk_read_bytes: bytes read from the disk tier's files ([Note: Disk tier]); 0 without ``spill_dir``.
+        disk_written_bytes: bytes written to them.
+        disk_gbps: ``(disk_read_bytes + disk_written_bytes)`` over the seconds the disk spent on them, in GB/s.
+        disk_exposed_seconds: how long the step's host thread waited for the disk (reads not done ahead, and the
+            writes, which a chunk's commit waits for).
     """
 
     chunks: int
@@ -54,6 +60,10 @@ class StepStats:
     resident_bytes: int
     resident_share: float
     pinned_host_bytes: int
+    disk_read_bytes: int = 0
+    disk_written_bytes: int = 0
+    disk_gbps: float = 0.0
+    disk_exposed_seconds: float = 0.0
 
 
 class StepRecord:
@@ -63,8 +73,10 @@ class StepRecord:
     the CPU every copy is synchronous and wall-clock time is the step's time.
     """
 
-    def __init__(self, engine: TransferEngine, device: torch.device) -> None:
+    def __init__(self, engine: TransferEngine, device: torch.device, disk: DiskStats | None = None) -> None:
         self.chunks = 0
+        self._disk = disk  # cumulative: the step's share is read at its start and end
+        self._disk_start = self._disk_end = replace(disk) if disk is not None else DiskStats()
         self.h2d = self.d2h = self.d2d = 0
         self.window = 0
         self.overlapped = False
@@ -123,6 +135,8 @@ class StepRecord:
         if self._timed:
             self._end = self._event(self._engine.d2h_stream)
         self._t_end = time.perf_counter()
+        if self._disk is not None:
+            self._disk_end = replace(self._disk)
 
     def stats(self, resident_bytes: int, resident_share: float, pinned_host_bytes: int) -> StepStats:
         seconds, exposed = self._t_end - self._t0, self._t_compute - self._t0
@@ -132,6 +146,9 @@ class StepRecord:
             seconds = self._start.elapsed_time(self._end) / 1e3
             exposed = self._start.elapsed_time(self._compute) / 1e3
         moved = self.h2d + self.d2h
+        a, b = self._disk_start, self._disk_end
+        disk_bytes = b.read_nbytes - a.read_nbytes + b.written_nbytes - a.written_nbytes
+        disk_seconds = b.read_seconds - a.read_seconds + b.write_seconds - a.write_seconds
         return StepStats(
             chunks=self.chunks,
             h2d_bytes=self.h2d,
@@ -144,4 +161,8 @@ class StepRecord:
             resident_bytes=resident_bytes,
             resident_share=resident_share,
             pinned_host_bytes=pinned_host_bytes,
+            disk_read_bytes=b.read_nbytes - a.read_nbytes,
+            disk_written_bytes=b.written_nbytes - a.written_nbytes,
+            disk_gbps=disk_bytes / disk_seconds / 1e9 if disk_seconds > 0 else 0.0,
+            disk_exposed_seconds=b.wait_seconds - a.wait_seconds + b.write_seconds - a.write_seconds,
         )

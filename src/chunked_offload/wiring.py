@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import warnings
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +26,7 @@ from .pipeline import ChunkPipeline
 from .placement import Placement, PlanOptions
 from .runner import StepRunner
 from .schedule import StepSchedule
+from .spill import auto_host_budget, check_spill_dir
 from .staging import StagingPool
 from .state_table import StateBinding
 from .streams import StreamContext
@@ -70,13 +74,24 @@ class Options:
         overlap: bool,
         step_in_backward: bool,
         gpu_headroom_mb: float | None,
+        spill_dir: str | os.PathLike[str] | None = None,
+        host_budget_mb: float | str | None = None,
     ) -> Options:
         budget_mb, headroom_mb = budget_options(gpu_budget_mb, gpu_headroom_mb)  # "auto": planned offloaded first
+        spill_path = None if spill_dir is None else Path(spill_dir)
+        if spill_path is not None and (warning := check_spill_dir(spill_path)) is not None:
+            warnings.warn(warning, stacklevel=4)
+        host_budget = None
+        if spill_path is not None:  # [Note: Disk tier]: measured once, at construction
+            auto = host_budget_mb is None or host_budget_mb == "auto"
+            host_budget = auto_host_budget() if auto else int(float(host_budget_mb) * _MIB)  # type: ignore[arg-type]
         plan = PlanOptions(
             chunk_bytes=max(1, int(chunk_size_mb * _MIB)),
             num_slots=num_slots,
             offload_fraction=1.0 if offload_fraction is None else float(offload_fraction),
             gpu_budget=None if budget_mb is None else int(budget_mb * _MIB),
+            spill_dir=spill_path,
+            host_budget=host_budget,
         )
         return cls(
             plan=plan,

@@ -1,0 +1,288 @@
+"""The disk tier ([Note: Disk tier]): the disk's own GB/s, then the step with a share of the state on disk, against
+the floor set by the slowest tier's bytes, and a capacity trial past the host budget.
+
+Question: what does a step cost when part of the optimizer state lives in files under ``spill_dir``, and how close
+does it come to what the disk and the link allow?
+
+Workloads:
+    disk      the disk alone: a --probe-gib file written as the tier writes (buffered, fsync, then the page cache
+              dropped) and with O_DIRECT, then read back both ways (one and two reader threads).
+    step      fp32 matrices, fused AdamW, all state offloaded, with --shares of it on disk (0: host only). Each share
+              runs in a process of its own (peak RSS is per process). Its floor is the larger of the link's (the
+              bytes each way over the duplex bandwidth) and the disk's (bytes read over the read GB/s plus bytes
+              written over the write GB/s, measured above). Final params are compared bitwise with resident AdamW.
+    capacity  (--capacity-params N) bf16 params, remainder masters, a real forward and backward through a chain of
+              matrices, the host arena capped at --capacity-host-gib and the rest on disk, for 2 steps.
+
+Commands:
+    PYTHONPATH=src:tests:benchmarks python3 benchmarks/bench_disk.py                  # GPU: 1e9 params; CPU: tiny
+    PYTHONPATH=src:tests:benchmarks python3 benchmarks/bench_disk.py --capacity-params 1.1e10 --capacity-host-gib 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import chunked_offload.disk as disk_io
+from chunked_offload import ChunkedOffloadOptimizer
+from chunked_offload.planner import ChunkPlan, Home
+from common import make_matrices, measure_link, set_random_grads, synchronize
+
+GiB, MiB = 2**30, 2**20
+
+
+def rss() -> dict[str, int]:
+    """VmHWM (peak), VmRSS, RssAnon and RssFile of this process, in bytes."""
+    out: dict[str, int] = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem"):
+            out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ the disk alone
+def _direct_write(path: Path, buf: mmap.mmap) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o600)
+    try:
+        view, done = memoryview(buf), 0
+        while done < len(view):
+            done += os.write(fd, view[done : done + 64 * MiB])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _direct_read(path: Path, buf: mmap.mmap) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    try:
+        view, done = memoryview(buf), 0
+        while done < len(view):
+            n = os.readv(fd, [view[done : done + 64 * MiB]])
+            if not n:
+                break
+            done += n
+    finally:
+        os.close(fd)
+
+
+def probe_disk(directory: Path, nbytes: int, pin: bool) -> dict[str, float]:
+    """GB/s of the disk alone: the tier's buffered I/O and O_DIRECT, writes then reads."""
+    nbytes -= nbytes % (4 * MiB)
+    data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    data.random_(0, 255)
+    out: dict[str, float] = {}
+    path = directory / "probe.bin"
+
+    def timed(key: str, fn: Any) -> None:
+        t0 = time.perf_counter()
+        fn()
+        out[key] = nbytes / (time.perf_counter() - t0) / 1e9
+
+    path.unlink(missing_ok=True)
+    timed("write buffered+fsync", lambda: disk_io.write_new_file(path, data))
+    timed("read buffered, 1 thread", lambda: disk_io.read_file_into(path, data))
+    halves = [data[: nbytes // 2], data[nbytes // 2 :]]
+    paths = [directory / "probe0.bin", directory / "probe1.bin"]
+    for p, h in zip(paths, halves, strict=True):
+        p.unlink(missing_ok=True)
+        disk_io.write_new_file(p, h)
+    with ThreadPoolExecutor(2) as pool:
+        timed("read buffered, 2 threads", lambda: list(pool.map(disk_io.read_file_into, paths, halves)))
+    if hasattr(os, "O_DIRECT"):
+        aligned = mmap.mmap(-1, nbytes)  # page-aligned, as O_DIRECT needs
+        torch.frombuffer(aligned, dtype=torch.uint8).copy_(data)
+        try:
+            timed("write O_DIRECT", lambda: _direct_write(path, aligned))
+            timed("read O_DIRECT", lambda: _direct_read(path, aligned))
+        except OSError as e:  # a filesystem without O_DIRECT (tmpfs)
+            print(f"# O_DIRECT: {e}")
+    for p in (path, *paths):
+        p.unlink(missing_ok=True)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ one step variant
+def budget_for(plan: ChunkPlan, share: float) -> int:
+    """Host bytes that put the share of the offloaded bytes nearest ``share`` on disk (``plan``: host only)."""
+    host = [c for c in plan.chunks if c.home is Home.HOST]
+    total = sum(c.transfer_nbytes for c in host)
+    best = (2.0, 0)
+    for keep in range(len(host) + 1):
+        on_disk = host[keep:]
+        arena = max((c.home_offset + c.transfer_nbytes for c in host[:keep]), default=0)
+        bounces = (plan.num_slots + 1) * max((c.transfer_nbytes for c in on_disk), default=0)
+        best = min(best, (abs(sum(c.transfer_nbytes for c in on_disk) / total - share), arena + bounces))
+    return best[1]
+
+
+def one_step_variant(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    base = rss()["VmRSS"]
+    params = make_matrices(args.params, args.dim, torch.float32, device)
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    inner = torch.optim.AdamW(params, lr=1e-3, fused=device.type == "cuda")
+    options: dict[str, Any] = {"chunk_size_mb": args.chunk_mb}
+    if args.host_budget is not None:
+        options.update(spill_dir=args.spill_dir, host_budget_mb=args.host_budget / MiB)
+    opt = ChunkedOffloadOptimizer(inner, **options)
+    ref = torch.optim.AdamW(reference, lr=1e-3, fused=device.type == "cuda")
+    times, stats = [], []
+    for step in range(args.iters + 1):
+        set_random_grads(params, seed=step)
+        synchronize(device)
+        t0 = time.perf_counter()
+        opt.step()
+        opt.synchronize()
+        times.append(time.perf_counter() - t0)
+        stats.append(opt.stats)
+        opt.zero_grad()
+        set_random_grads(reference, seed=step)
+        ref.step()
+        ref.zero_grad()
+    synchronize(device)
+    exact = all(torch.equal(a, b) for a, b in zip(params, reference, strict=True))
+    last = stats[-1]
+    plan = opt.plan
+    bound = plan.host_nbytes + (plan.num_slots + 1) * plan.bounce_nbytes * bool(plan.disk_chunks)
+    shares = [float(x) for x in args.shares.split(",")]
+    return {
+        "budgets": {str(x): budget_for(plan, x) for x in shares} if args.host_budget is None else {},
+        "first_s": times[0],
+        "step_s": statistics.median(times[1:]),
+        "h2d": last.h2d_bytes,
+        "d2h": last.d2h_bytes,
+        "disk_read": last.disk_read_bytes,
+        "disk_written": last.disk_written_bytes,
+        "disk_gbps": last.disk_gbps,
+        "disk_exposed_s": last.disk_exposed_seconds,
+        "state": plan.host_nbytes + plan.disk_nbytes,
+        "on_disk": plan.disk_nbytes,
+        "host_bound": bound,
+        "rss_base": base,
+        **{k.lower(): v for k, v in rss().items()},
+        "exact": exact,
+    }
+
+
+def capacity_trial(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """bf16 matrices, remainder masters, real forward/backward through the chain, host capped, 2 steps."""
+    base = rss()["VmRSS"]
+    params = make_matrices(args.capacity_params, args.dim, torch.bfloat16, device)
+    inner = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
+    opt = ChunkedOffloadOptimizer(
+        inner,
+        chunk_size_mb=args.chunk_mb,
+        master_weights="remainder",
+        spill_dir=args.spill_dir,
+        host_budget_mb=args.capacity_host_gib * 1024,
+    )
+    x = torch.randn(8, args.dim, device=device, dtype=torch.bfloat16)
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        h = x
+        for w in params:
+            h = torch.tanh(h @ w)
+        h.float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        opt.synchronize()
+        times.append(time.perf_counter() - t0)
+    plan = opt.plan
+    return {
+        "params": sum(p.numel() for p in params),
+        "iter_s": times,
+        "host_arena": plan.host_nbytes,
+        "on_disk": plan.disk_nbytes,
+        "host_bound": plan.host_nbytes + (plan.num_slots + 1) * plan.bounce_nbytes,
+        "rss_base": base,
+        **{k.lower(): v for k, v in rss().items()},
+        "finite": all(bool(torch.isfinite(p).all()) for p in params),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ the driver
+def child(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, *extra, "--params", str(args.params), "--dim", str(args.dim)]
+    cmd += ["--chunk-mb", str(args.chunk_mb), "--iters", str(args.iters), "--spill-dir", str(args.spill_dir)]
+    cmd += ["--shares", args.shares]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    gpu = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=float, default=1e9 if gpu else 2e6)
+    parser.add_argument("--dim", type=int, default=4096 if gpu else 256)
+    parser.add_argument("--chunk-mb", type=float, default=256 if gpu else 1)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--shares", default="0,0.25,0.5")
+    parser.add_argument("--probe-gib", type=float, default=8 if gpu else 0.05)
+    parser.add_argument("--spill-dir", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument("--capacity-params", type=float, default=0)
+    parser.add_argument("--capacity-host-gib", type=float, default=64)
+    parser.add_argument("--host-budget", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--capacity", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    device = torch.device("cuda" if gpu else "cpu")
+    if args.one or args.capacity:
+        print(json.dumps(capacity_trial(args, device) if args.capacity else one_step_variant(args, device)))
+        return 0
+
+    disk = probe_disk(args.spill_dir, int(args.probe_gib * GiB), pin=gpu)
+    print("disk alone (GB/s):", ", ".join(f"{k} {v:.2f}" for k, v in disk.items()))
+    link = measure_link(device, 256 * MiB) if gpu else None
+    duplex = link.duplex if link is not None else float("inf")
+    if link is not None:
+        print(f"link (GB/s): H2D {link.h2d / 1e9:.1f}, D2H {link.d2h / 1e9:.1f}, each way at once {duplex / 1e9:.1f}")
+    read_bw, write_bw = disk["read buffered, 2 threads"] * 1e9, disk["write buffered+fsync"] * 1e9
+    host_only = child(args, ["--one"])  # its plan sets the host budgets of the other shares
+    rows, ok = [], True
+    for share in (float(s) for s in args.shares.split(",")):
+        budget = host_only["budgets"][str(share)]
+        row = host_only if share == 0 else child(args, ["--one", "--host-budget", str(budget)])
+        link_floor = max(row["h2d"], row["d2h"]) / duplex
+        disk_floor = row["disk_read"] / read_bw + row["disk_written"] / write_bw
+        floor = max(link_floor, disk_floor)
+        rows.append((share, row, floor, "disk" if disk_floor > link_floor else "link"))
+        ok &= row["exact"]
+    print(f"\n{'on disk':>8} {'step s':>8} {'floor s':>8} {'x floor':>8} {'bound':>5} {'disk GB/s':>9} "
+          f"{'exposed':>8} {'peak RSS - base GiB':>20} {'host bound GiB':>15} {'exact':>6}")  # fmt: skip
+    for _share, row, floor, tier in rows:
+        peak = (row["vmhwm"] - row["rss_base"]) / GiB
+        print(
+            f"{row['on_disk'] / max(row['state'], 1):>8.0%} {row['step_s']:>8.3f} {floor:>8.3f} "
+            f"{row['step_s'] / floor if floor else float('nan'):>8.2f} {tier:>5} {row['disk_gbps']:>9.2f} "
+            f"{row['disk_exposed_s']:>8.3f} {peak:>20.2f} {row['host_bound'] / GiB:>15.2f} {row['exact']!s:>6}"
+        )
+    if args.capacity_params:
+        cap = child(args, ["--capacity", "--capacity-params", str(args.capacity_params),
+                           "--capacity-host-gib", str(args.capacity_host_gib)])  # fmt: skip
+        print(
+            f"\ncapacity: {cap['params'] / 1e9:.2f} B params, remainder masters, host arena "
+            f"{cap['host_arena'] / GiB:.1f} GiB + {cap['on_disk'] / GiB:.1f} GiB on disk; iterations "
+            + ", ".join(f"{t:.1f} s" for t in cap["iter_s"])
+            + f"; peak RSS {cap['vmhwm'] / GiB:.1f} GiB (base {cap['rss_base'] / GiB:.1f}, bound "
+            f"{cap['host_bound'] / GiB:.1f} + base); params finite: {cap['finite']}"
+        )
+    print("\nexact: every variant bitwise equal to resident AdamW" if ok else "\nNOT EXACT")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,309 @@
+"""The disk tier ([Note: Disk tier]): with ``spill_dir`` the chunks beyond ``host_budget_mb`` live in files, and every
+mode stays bitwise equal to the plain loop; a failed read, write or rename rolls the chunk back; bad directories and
+full disks are refused before anything is allocated; checkpoints move between disk-tier, host-only and plain
+optimizers."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import io
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import chunked_offload.disk as disk_module
+import chunked_offload.spill as spill_module
+from chunked_offload import ChunkedOffloadOptimizer
+from chunked_offload.planner import ChunkPlan, Home
+from reference import assert_equal, assert_states_equal, internals, make_grads, make_params, run_steps, set_grads
+from test_faults import _committed
+from test_loops import assert_same, build, train
+
+SHARES = [0.0, 0.5, 0.9]
+MASTERS = ["none", "fp32", "remainder"]
+MODES = ["sync", "overlap", "backward"]
+SHAPES = [(7, 5), (33,), (4, 4, 3), (9, 8), (30,), (16, 3), (5,), (12, 6)]
+
+
+def budget_for(plan: ChunkPlan, share: float) -> float:
+    """``host_budget_mb`` that puts the share of the offloaded bytes nearest ``share`` on disk (``plan``: host only)."""
+    host = [c for c in plan.chunks if c.home is Home.HOST]
+    total = sum(c.transfer_nbytes for c in host)
+    best: tuple[float, int] = (2.0, 0)
+    for keep in range(len(host) + 1):
+        on_disk = host[keep:]
+        arena = max((c.home_offset + c.transfer_nbytes for c in host[:keep]), default=0)
+        bounces = (plan.num_slots + 1) * max((c.transfer_nbytes for c in on_disk), default=0)
+        got = sum(c.transfer_nbytes for c in on_disk) / total
+        best = min(best, (abs(got - share), arena + bounces))
+    return best[1] / 2**20
+
+
+def disk_share(opt: ChunkedOffloadOptimizer) -> float:
+    plan = opt.plan
+    return plan.disk_nbytes / (plan.disk_nbytes + plan.host_nbytes)
+
+
+def spill_files(directory: Path) -> list[Path]:
+    return sorted(p for sub in directory.iterdir() for p in sub.iterdir())
+
+
+# ------------------------------------------------------------------------------------------------ bitwise in every mode
+@pytest.mark.parametrize("share", SHARES)
+@pytest.mark.parametrize("master", MASTERS)
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_is_bitwise_with_state_on_disk(tmp_path: Path, mode: str, master: str, share: float) -> None:
+    plain = build("plain", master)
+    train(*plain, range(4))
+    budget = budget_for(build(mode, master)[1].plan, share)
+    model, opt = build(mode, master, spill_dir=tmp_path, host_budget_mb=budget)
+    assert abs(disk_share(opt) - share) < 0.25, opt.plan.summary()
+    train(model, opt, range(4))
+    assert_same(plain[0], model)
+    stats = opt.stats
+    assert stats is not None
+    assert stats.disk_read_bytes == stats.disk_written_bytes == opt.plan.disk_nbytes  # every chunk stepped
+    files = spill_files(tmp_path)
+    assert [f.suffix for f in files] == [".bin"] * len(opt.plan.disk_chunks)  # no stray .tmp
+
+
+def test_the_optimizer_state_on_disk_equals_the_plain_optimizers(tmp_path: Path) -> None:
+    params, ref_params = make_params(SHAPES), make_params(SHAPES)
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1)
+    probe = ChunkedOffloadOptimizer(torch.optim.AdamW(make_params(SHAPES)), chunk_size_mb=0.002)
+    opt = ChunkedOffloadOptimizer(
+        torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+        chunk_size_mb=0.002,
+        spill_dir=tmp_path,
+        host_budget_mb=budget_for(probe.plan, 0.9),
+    )
+    run_steps(ref, ref_params, 3)
+    run_steps(opt, params, 3)
+    assert_states_equal(ref, ref_params, opt, params)
+    assert opt.plan.disk_chunks
+    summary = opt.plan.summary()
+    assert "chunks on disk" in summary and f"x {opt.num_slots + 1}" in summary
+    store = internals(opt).placement.layout.disk
+    assert store.bounce_nbytes == (opt.num_slots + 1) * opt.plan.bounce_nbytes  # the tier's host window
+    directory = store.directory
+    del opt, store
+    gc.collect()
+    assert not directory.exists()  # the files go with the wrapper
+
+
+# ------------------------------------------------------------------------------------------------ faults
+class Injected(OSError):
+    pass
+
+
+@contextmanager
+def disk_fault(monkeypatch: pytest.MonkeyPatch, point: str, index: int) -> Iterator[None]:
+    """Make the disk operation ``point`` of chunk ``index``'s file fail (the others run as usual)."""
+    name = f"chunk{index:05d}"
+
+    def failing(original: Callable[..., Any], which: int) -> Callable[..., Any]:
+        def patched(*args: Any) -> Any:
+            if Path(args[which]).stem == name:
+                raise Injected(errno.ENOSPC if point == "write" else errno.EIO, f"injected {point} failure")
+            return original(*args)
+
+        return patched
+
+    targets = {
+        "read": ("read_file_into", 0),
+        "write": ("write_new_file", 0),
+        "rename": ("replace_file", 1),
+    }
+    attr, which = targets[point]
+    monkeypatch.setattr(disk_module, attr, failing(getattr(disk_module, attr), which))
+    try:
+        yield
+    finally:
+        monkeypatch.undo()
+
+
+CONFIGS = {"adamw": "none", "adamw-fp32-masters": "fp32", "adamw-remainder": "remainder"}
+
+
+def _pair(config: str, tmp_path: Path) -> tuple[Any, list[torch.nn.Parameter], Any, list[torch.nn.Parameter]]:
+    """A disk-tier wrapper (90% of the state on disk) and its oracle: plain AdamW, or a host-only wrapper."""
+    master = CONFIGS[config]
+    dtype = torch.float32 if master == "none" else torch.bfloat16
+
+    def inner(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
+
+    params, twin_params = make_params(SHAPES, dtype), make_params(SHAPES, dtype)
+    options: dict[str, Any] = dict(chunk_size_mb=0.002, master_weights=master)
+    probe = ChunkedOffloadOptimizer(inner(make_params(SHAPES, dtype)), **options)
+    opt = ChunkedOffloadOptimizer(
+        inner(params), **options, spill_dir=tmp_path, host_budget_mb=budget_for(probe.plan, 0.9)
+    )
+    twin = inner(twin_params) if master == "none" else ChunkedOffloadOptimizer(inner(twin_params), **options)
+    return opt, params, twin, twin_params
+
+
+@pytest.mark.parametrize("target", [0, -1], ids=["first-on-disk", "last"])
+@pytest.mark.parametrize("step", ["first", "later"])
+@pytest.mark.parametrize("point", ["read", "write", "rename"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_a_failed_disk_operation_rolls_the_chunk_back_and_the_files_resume(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, config: str, point: str, step: str, target: int
+) -> None:
+    """A read (EIO), the write of the new file (ENOSPC: a full disk) or its rename fails, in a chunk's first step
+    (which reads its masters from the file) or a later one."""
+    opt, params, twin, twin_params = _pair(config, tmp_path)
+    chunks = opt.plan.all_chunks
+    on_disk = opt.plan.disk_chunks
+    assert len(on_disk) >= 3
+    first = 0 if step == "first" else 2
+    run_steps(opt, params, first)
+    run_steps(twin, twin_params, first)
+    set_grads(params, make_grads(params, first))
+    with disk_fault(monkeypatch, point, on_disk[target].index), pytest.raises(Injected) as info:
+        opt.step()
+
+    assert all(slot.state.value == "free" and slot.buffer is None for slot in internals(opt).pool.slots)
+    assert not any(f.suffix == ".tmp" for f in spill_files(tmp_path))  # the old file is still the chunk's
+    committed = _committed(info.value, len(chunks))
+    failing = on_disk[target].index
+    # Rolled back: the failing chunk, or for a read the chunk stepping while the read's chunk is staged.
+    assert chunks[committed].index in ((failing - 1, failing) if point == "read" else (failing,))
+    stepped = {i for c in chunks[:committed] for i in c.params}
+    grads = make_grads(twin_params, first)
+    set_grads(twin_params, [g if i in stepped else None for i, g in enumerate(grads)])
+    twin.step()
+    twin.zero_grad()
+    _assert_same(twin, twin_params, opt, params)  # opt.state reads the files
+
+    run_steps(opt, params, 3, first_step=first + 1)  # and training from them goes on exactly
+    run_steps(twin, twin_params, 3, first_step=first + 1)
+    _assert_same(twin, twin_params, opt, params)
+
+
+def _assert_same(ref: Any, ref_params: list[torch.nn.Parameter], opt: Any, params: list[torch.nn.Parameter]) -> None:
+    opt.synchronize()
+    for i, (a, b) in enumerate(zip(ref_params, params, strict=True)):
+        assert_equal(a, b, f"param {i}")
+    assert_states_equal(ref, ref_params, opt, params)
+    if isinstance(ref, ChunkedOffloadOptimizer):
+        for i, ((_, a), (_, b)) in enumerate(zip(ref.master_params(), opt.master_params(), strict=True)):
+            assert_equal(a, b, f"master {i}")
+
+
+# ------------------------------------------------------------------------------------------------ refused directories
+def _refused(tmp_path: Path, spill_dir: Any, match: str, error: type[Exception] = ValueError, **options: Any) -> None:
+    params = make_params(SHAPES)
+    before = [p.detach().clone() for p in params]
+    inner = torch.optim.AdamW(params, lr=1e-2)
+    with pytest.raises(error, match=match):
+        ChunkedOffloadOptimizer(inner, chunk_size_mb=0.002, spill_dir=spill_dir, **options)
+    assert not inner.state  # nothing was modified
+    for p, b in zip(params, before, strict=True):
+        assert_equal(p, b)
+
+
+def test_a_missing_directory_is_refused(tmp_path: Path) -> None:
+    _refused(tmp_path, tmp_path / "nope", "does not exist: create it")
+
+
+def test_a_file_is_not_a_directory(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    _refused(tmp_path, tmp_path / "file", "is not a directory")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a mode-0500 directory")
+def test_a_directory_without_write_permission_is_refused(tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    _refused(tmp_path, locked, "is not writable")
+
+
+def test_a_read_only_filesystem_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def read_only(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(spill_module.tempfile, "mkstemp", read_only)  # what a read-only mount answers
+    _refused(tmp_path, tmp_path, "is not writable by this process \\(Read-only file system\\)")
+
+
+def test_a_disk_without_room_for_the_state_and_a_generation_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = spill_module.shutil.disk_usage
+
+    def small(path: Any) -> Any:
+        usage = real(path)
+        return type(usage)(usage.total, usage.used, 1000)
+
+    monkeypatch.setattr(spill_module.shutil, "disk_usage", small)
+    _refused(tmp_path, tmp_path, "MiB free, but the disk tier needs", host_budget_mb=0.005)
+    assert not list(tmp_path.iterdir())  # no file was made
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"host_budget_mb": 100}, ValueError, "host_budget_mb=100 needs spill_dir"),
+        ({"spill_dir": 3}, TypeError, "spill_dir must be a path"),
+        ({"spill_dir": ".", "host_budget_mb": "lots"}, TypeError, "host_budget_mb must be a number of MiB or 'auto'"),
+        ({"spill_dir": ".", "host_budget_mb": -1}, ValueError, "host_budget_mb must be a finite number >= 0"),
+        ({"spill_dir": ".", "host_budget_mb": 0}, ValueError, "holds not even the 3 bounce buffers"),
+    ],
+)
+def test_bad_disk_options_say_what_to_do(options: dict[str, Any], error: type[Exception], match: str) -> None:
+    inner = torch.optim.AdamW(make_params(SHAPES), lr=1e-2)
+    with pytest.raises(error, match=match):
+        ChunkedOffloadOptimizer(inner, chunk_size_mb=0.002, **options)
+    assert not inner.state
+
+
+def test_auto_host_budget_is_what_is_available_less_a_headroom_shared_by_the_ranks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gib = 2**30
+    monkeypatch.setattr(spill_module, "meminfo", lambda: {"MemTotal": 100 * gib, "MemAvailable": 70 * gib})
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert spill_module.auto_host_budget() == 60 * gib  # the headroom: 10% of the total
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert spill_module.auto_host_budget() == 15 * gib
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+@pytest.mark.parametrize("source", ["disk", "host", "plain"])
+@pytest.mark.parametrize("target", ["disk", "host", "plain"])
+def test_checkpoints_move_between_disk_tier_host_only_and_plain(tmp_path: Path, source: str, target: str) -> None:
+    def make(kind: str, where: Path) -> tuple[list[torch.nn.Parameter], Any]:
+        params = make_params(SHAPES)
+        inner = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+        if kind == "plain":
+            return params, inner
+        options: dict[str, Any] = {"chunk_size_mb": 0.002}
+        if kind == "disk":
+            where.mkdir()
+            probe = ChunkedOffloadOptimizer(torch.optim.AdamW(make_params(SHAPES)), **options)
+            options.update(spill_dir=where, host_budget_mb=budget_for(probe.plan, 0.5))
+        return params, ChunkedOffloadOptimizer(inner, **options)
+
+    ref_params, ref = make("plain", tmp_path / "ref")
+    run_steps(ref, ref_params, 5)
+    params, opt = make(source, tmp_path / "source")
+    run_steps(opt, params, 3)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    loaded_params, loaded = make(target, tmp_path / "target")
+    with torch.no_grad():
+        for a, b in zip(loaded_params, params, strict=True):
+            a.copy_(b)
+    loaded.load_state_dict(torch.load(buffer, weights_only=True))
+    run_steps(loaded, loaded_params, 2, first_step=3)
+    for i, (a, b) in enumerate(zip(ref_params, loaded_params, strict=True)):
+        assert_equal(a, b, f"param {i}")
+    assert_states_equal(ref, ref_params, loaded, loaded_params)
