@@ -150,10 +150,10 @@ class DiskStore:
         self._mmaps[index] = mapped
         return torch.frombuffer(mapped, dtype=torch.uint8)
 
-    def trim(self) -> None:
-        """Flush what was written into the maps to the files and drop their pages from memory (they are read again
-        from the page cache or the disk when touched)."""
-        for mapped in self._mmaps.values():
+    def trim(self, index: int | None = None) -> None:
+        """Flush what was written into the maps (of chunk ``index``, or all) to the files and drop their pages from
+        memory (they are read again from the page cache or the disk when touched)."""
+        for mapped in self._mmaps.values() if index is None else [self._mmaps[index]] if index in self._mmaps else []:
             mapped.flush()
             mapped.madvise(mmap.MADV_DONTNEED)
 

@@ -14,7 +14,7 @@ from .disk import DiskStore
 from .dtensor import like_param, local, same_tensor
 from .host_arena import typed_view
 from .masters import MASTER, MasterMode, needs_master
-from .planner import Chunk, ChunkPlan, Role, TensorSpec, dense_spec
+from .planner import Chunk, ChunkPlan, Home, Role, TensorSpec, dense_spec
 from .state_table import bind
 from .storage import DeviceStore, HostStore, Store, stores_by_home
 
@@ -164,17 +164,21 @@ def stepped_like(p: torch.Tensor, mode: MasterMode) -> torch.Tensor:
 
 def rehome_state(state: Mapping[torch.Tensor, Any], layout: Layout) -> None:
     """Copy every offloadable state tensor that is not in its home yet into it, and bind the home in its place."""
-    for info in layout.infos:
-        entry = state.get(info.param)
-        if not entry:
-            continue
-        for spec in info.state_specs:
-            value, bound = entry.get(spec.key), layout.bound[info.index][spec.key]
-            if value is not None and value is not bound:
-                home = layout.homes[info.index][spec.key]
-                if not same_tensor(local(value), home):
-                    home.copy_(local(value))
-                bind(entry, spec.key, bound)
+    for chunk in layout.plan.all_chunks:
+        for i in chunk.params:
+            info = layout.infos[i]
+            entry = state.get(info.param)
+            if not entry:
+                continue
+            for spec in info.state_specs:
+                value, bound = entry.get(spec.key), layout.bound[i][spec.key]
+                if value is not None and value is not bound:
+                    home = layout.homes[i][spec.key]
+                    if not same_tensor(local(value), home):
+                        home.copy_(local(value))
+                    bind(entry, spec.key, bound)
+        if layout.disk is not None and chunk.home is Home.DISK:
+            layout.disk.trim(chunk.index)  # one chunk's file pages in memory at a time ([Note: Disk tier])
 
 
 def stale_reason(

@@ -212,9 +212,12 @@ def place(
                 if s.role.moves:
                     homes[i][s.key] = store.view(chunk.home_offset + chunk.offsets[(i, s.key)], s)
     old_homes = {} if previous is None else {id(info.param): previous.homes[info.index] for info in previous.infos}
-    for info in infos:
-        if info.has_master:
-            _seed_master(info, homes[info.index], old_homes.get(id(info.param)), mode)
+    for chunk in plan.all_chunks:
+        for i in chunk.params:
+            if infos[i].has_master:
+                _seed_master(infos[i], homes[i], old_homes.get(id(infos[i].param)), mode)
+        if disk is not None and chunk.home is Home.DISK:
+            disk.trim(chunk.index)  # one chunk's file pages in memory at a time ([Note: Disk tier])
     layout = Layout(plan, infos, homes, host, resident, group_signatures, {}, disk=disk)
     for info in infos:
         layout.rebind(info.index)

@@ -47,6 +47,8 @@ def _train(mode: str, master: str, spill_dir: Path | None) -> tuple[list[torch.T
             model(x).float().pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
+    if mode != "plain":
+        opt.wait_step()  # an overlapped step's last chunks run at the next forward, or here
     torch.cuda.synchronize()
     return [p.detach().clone() for p in model.parameters()], opt
 
