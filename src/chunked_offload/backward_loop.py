@@ -108,6 +108,7 @@ class BackwardLoop:
             if message is None:
                 with self.pipeline.gate.stepping():  # after the caller's work and the step stream's own records
                     self._pending = backward.grads.compare(self.pipeline.grad_of, self._indices())
+                self.pipeline.gate.join()  # what the caller enqueues next (a zero_grad, a graph replay) waits for it
                 self.settle(wait=False)
         if message:
             self.observing = True

@@ -190,7 +190,10 @@ class GradComparison:
     the iteration). So the outcome is copied to the host behind an event, and ``step()`` reads it only if the device
     has already computed it (always on the CPU); otherwise the first call that must not run on a changed input reads
     it: the next backward's first step, ``step()``, or anything that joins the step (``wait_step()``,
-    ``state_dict()``, ...). A change is refused there, before any param is updated again.
+    ``state_dict()``, ...). A change is refused there, before any param is updated again. The comparison runs on the
+    step stream, after the chunks; the caller's stream waits for it (no host wait), so that nothing the caller does
+    next overwrites the grads before they are read: an in-place ``zero_grad``, or the next replay of a CUDA graph,
+    which reuses its outputs' memory (measured on the H200: a change found late under ``mode="reduce-overhead"``).
     """
 
     def __init__(self, order: Sequence[int], differs: torch.Tensor | None = None) -> None:

@@ -53,8 +53,11 @@ def _train(mode: str, master: str, write: Callable[[torch.nn.Module], None]) -> 
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     opt: Any = inner
     if mode != "plain" or master != "none":
-        opt = ChunkedOffloadOptimizer(inner, chunk_size_mb=4, master_weights=master, overlap=mode == "overlap")
-    if mode == "overlap":
+        opt = ChunkedOffloadOptimizer(
+            inner, chunk_size_mb=4, master_weights=master, overlap=mode == "overlap",
+            step_in_backward=mode == "backward",
+        )  # fmt: skip
+    if mode in ("overlap", "backward"):
         opt.attach(model)
     gen = torch.Generator(device="cuda").manual_seed(1)
     for _ in range(5):
@@ -69,13 +72,16 @@ def _train(mode: str, master: str, write: Callable[[torch.nn.Module], None]) -> 
     return [p.detach().clone() for p in model.parameters()]
 
 
+@pytest.mark.parametrize("mode", ["overlap", "backward"])
 @pytest.mark.parametrize("master", ["none", "fp32"])
 @pytest.mark.parametrize("write", list(WRITES))
-def test_grads_written_in_place_after_an_overlapped_step_do_not_race_it(write: str, master: str) -> None:
-    """Case 1: the step owns copies of the grads it reads after step() returned ([Note: Inputs of a step])."""
+def test_grads_written_in_place_after_an_overlapped_step_do_not_race_it(write: str, master: str, mode: str) -> None:
+    """Case 1: the overlapped step owns copies of the grads it reads after step() returned ([Note: Inputs of a
+    step]); in the backward, the comparison of the grads reads them before the caller's stream goes on ([Note:
+    Checks off the host])."""
     reference = _train("plain", master, WRITES[write])
     with slowed_chunk_steps():
-        got = _train("overlap", master, WRITES[write])
+        got = _train(mode, master, WRITES[write])
     for i, (a, b) in enumerate(zip(reference, got, strict=True)):
         assert_equal(a, b, f"param {i}")
 
