@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import gc
 import io
+import mmap
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -307,3 +308,43 @@ def test_checkpoints_move_between_disk_tier_host_only_and_plain(tmp_path: Path, 
     for i, (a, b) in enumerate(zip(ref_params, loaded_params, strict=True)):
         assert_equal(a, b, f"param {i}")
     assert_states_equal(ref, ref_params, loaded, loaded_params)
+
+
+# ------------------------------------------------------------------------------------------------ host memory
+def _mapped_rss(t: torch.Tensor) -> int:
+    """Bytes of the mapping under ``t`` that this process holds in RAM (its ``Rss`` in /proc/self/smaps)."""
+    address, inside = t.data_ptr(), False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "Rss:":
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="/proc/self/smaps: Linux")
+def test_the_files_pages_leave_memory_once_placed_and_stepped(tmp_path: Path) -> None:
+    """Seeding masters writes through the maps one chunk at a time, and each is flushed and dropped; steps read and
+    write the files, not the maps: between steps no map holds its pages in RAM ([Note: Disk tier])."""
+    params = make_params([(256, 256)] * 6, torch.bfloat16)
+    options: dict[str, Any] = dict(chunk_size_mb=0.5, master_weights="fp32")
+    probe = ChunkedOffloadOptimizer(torch.optim.AdamW(make_params([(256, 256)] * 6, torch.bfloat16)), **options)
+    opt = ChunkedOffloadOptimizer(
+        torch.optim.AdamW(params, lr=1e-3), **options, spill_dir=tmp_path, host_budget_mb=budget_for(probe.plan, 0.7)
+    )
+    store = internals(opt).placement.layout.disk
+    on_disk = opt.plan.disk_chunks
+    assert on_disk and all(c.transfer_nbytes >= 4 * mmap.PAGESIZE for c in on_disk)
+
+    def resident() -> int:
+        return sum(_mapped_rss(internals(opt).placement.layout.disk.flat(c.index)) for c in on_disk)
+
+    assert resident() == 0  # the seeded masters are on the disk, not in memory
+    run_steps(opt, params, 2)
+    assert resident() == 0
+    assert store is internals(opt).placement.layout.disk
+    state = opt.state_dict()["state"]
+    assert sum(float(t.float().abs().sum()) for e in state.values() for t in e.values() if t.dim()) > 0
+    assert resident() > 0  # a reader maps the pages it reads, as with any file map; the test can see them
