@@ -348,3 +348,22 @@ def test_the_files_pages_leave_memory_once_placed_and_stepped(tmp_path: Path) ->
     state = opt.state_dict()["state"]
     assert sum(float(t.float().abs().sum()) for e in state.values() for t in e.values() if t.dim()) > 0
     assert resident() > 0  # a reader maps the pages it reads, as with any file map; the test can see them
+
+
+def test_spill_dir_alone_budgets_what_the_host_has_available(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without host_budget_mb the budget is "auto": a host with little available memory spills, bitwise."""
+    gib, kib = 2**30, 2**10
+    monkeypatch.setattr(spill_module, "meminfo", lambda: {"MemTotal": 16 * gib, "MemAvailable": 4 * gib + 24 * kib})
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    plain = build("plain", "none")
+    train(*plain, range(3))
+    model, opt = build("sync", "none", spill_dir=tmp_path)
+    assert opt.plan.disk_chunks and opt.plan.host_nbytes + 3 * opt.plan.bounce_nbytes <= 24 * kib
+    train(model, opt, range(3))
+    assert_same(plain[0], model)
+
+
+def test_a_filesystem_that_is_not_a_local_disk_is_warned_about(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(spill_module, "filesystem_of", lambda path: "tmpfs")
+    with pytest.warns(UserWarning, match="is on a tmpfs filesystem: a disk tier there"):
+        build("sync", "none", spill_dir=tmp_path, host_budget_mb=1)
