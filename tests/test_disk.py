@@ -23,7 +23,7 @@ import chunked_offload.spill as spill_module
 from chunked_offload import ChunkedOffloadOptimizer
 from chunked_offload.planner import ChunkPlan, Home
 from reference import assert_equal, assert_states_equal, internals, make_grads, make_params, run_steps, set_grads
-from test_faults import _committed
+from test_faults import _assert_same, _committed
 from test_loops import assert_same, build, train
 
 SHARES = [0.0, 0.5, 0.9]
@@ -186,16 +186,6 @@ def test_a_failed_disk_operation_rolls_the_chunk_back_and_the_files_resume(
     run_steps(opt, params, 3, first_step=first + 1)  # and training from them goes on exactly
     run_steps(twin, twin_params, 3, first_step=first + 1)
     _assert_same(twin, twin_params, opt, params)
-
-
-def _assert_same(ref: Any, ref_params: list[torch.nn.Parameter], opt: Any, params: list[torch.nn.Parameter]) -> None:
-    opt.synchronize()
-    for i, (a, b) in enumerate(zip(ref_params, params, strict=True)):
-        assert_equal(a, b, f"param {i}")
-    assert_states_equal(ref, ref_params, opt, params)
-    if isinstance(ref, ChunkedOffloadOptimizer):
-        for i, ((_, a), (_, b)) in enumerate(zip(ref.master_params(), opt.master_params(), strict=True)):
-            assert_equal(a, b, f"master {i}")
 
 
 # ------------------------------------------------------------------------------------------------ refused directories

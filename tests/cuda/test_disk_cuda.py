@@ -9,22 +9,12 @@ from typing import Any
 
 import pytest
 import torch
+from test_loops_cuda import _Mlp
 
 from chunked_offload import ChunkedOffloadOptimizer
 from reference import assert_equal, slowed_chunk_steps
 
 pytestmark = pytest.mark.cuda
-
-
-class _Mlp(torch.nn.Module):
-    def __init__(self, width: int = 1024, depth: int = 8) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.nn.functional.gelu(layer(x))
-        return x
 
 
 def _train(mode: str, master: str, spill_dir: Path | None) -> tuple[list[torch.Tensor], Any]:
