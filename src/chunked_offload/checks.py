@@ -56,11 +56,7 @@ def check_options(
         raise TypeError(f"offload_fraction must be a number in [0, 1], got {type(fraction).__name__}")
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"offload_fraction must be in [0, 1], got {fraction}")
-    if isinstance(gpu_budget_mb, str):
-        if gpu_budget_mb != "auto":
-            raise TypeError(f"gpu_budget_mb must be a number of MiB or 'auto', got {gpu_budget_mb!r}")
-    elif gpu_budget_mb is not None:
-        _check_mib("gpu_budget_mb", gpu_budget_mb, kind="a number of MiB or 'auto'")
+    _check_mib_or_auto("gpu_budget_mb", gpu_budget_mb)
     if gpu_headroom_mb is not None:
         if gpu_budget_mb != "auto":
             raise ValueError(
@@ -95,11 +91,16 @@ def _check_disk_options(spill_dir: Any, host_budget_mb: Any) -> None:
         )
     if spill_dir is not None and not isinstance(spill_dir, (str, os.PathLike)):
         raise TypeError(f"spill_dir must be a path (str or os.PathLike), got {type(spill_dir).__name__}")
-    if isinstance(host_budget_mb, str):
-        if host_budget_mb != "auto":
-            raise TypeError(f"host_budget_mb must be a number of MiB or 'auto', got {host_budget_mb!r}")
-    elif host_budget_mb is not None:
-        _check_mib("host_budget_mb", host_budget_mb, kind="a number of MiB or 'auto'")
+    _check_mib_or_auto("host_budget_mb", host_budget_mb)
+
+
+def _check_mib_or_auto(name: str, value: Any) -> None:
+    """A budget option: None, "auto", or a size in MiB (``_check_mib``)."""
+    if isinstance(value, str):
+        if value != "auto":
+            raise TypeError(f"{name} must be a number of MiB or 'auto', got {value!r}")
+    elif value is not None:
+        _check_mib(name, value, kind="a number of MiB or 'auto'")
 
 
 def _check_mib(name: str, value: Any, *, positive: bool = False, kind: str = "a number of MiB") -> None:
