@@ -98,7 +98,7 @@ class DiskStore:
     """The disk chunks' files under a directory of their own in ``spill_dir`` ([Note: Disk tier]).
 
     Args:
-        spill_dir: where the directory goes (checked by ``preflight``).
+        spill_dir: where the directory goes (checked by ``spill.check_spill_dir`` and ``spill.check_free_space``).
         chunks: the plan's disk chunks (``home_offset`` is the offset in this store's address space).
         bounces: page-locked bounce buffers (``num_slots + 1``).
         pin: page-lock the bounces (a GPU host).
@@ -153,7 +153,11 @@ class DiskStore:
     def trim(self, index: int | None = None) -> None:
         """Flush what was written into the maps (of chunk ``index``, or all) to the files and drop their pages from
         memory (they are read again from the page cache or the disk when touched)."""
-        for mapped in self._mmaps.values() if index is None else [self._mmaps[index]] if index in self._mmaps else []:
+        if index is None:
+            maps = list(self._mmaps.values())
+        else:
+            maps = [self._mmaps[index]] if index in self._mmaps else []
+        for mapped in maps:
             mapped.flush()
             mapped.madvise(mmap.MADV_DONTNEED)
 

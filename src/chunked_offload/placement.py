@@ -230,10 +230,10 @@ class Placement:
         binding.index_by_id = {id(info.param): info.index for info in prepared.infos}
         binding.dirty = False
         self.pipeline.bind(layout, ChunkStepper(self.inner, self.adapter, self.mode, layout))
-        self.trim()
 
     def trim(self) -> None:
-        """Flush what was written into the disk tier's file maps, and drop their pages ([Note: Disk tier])."""
+        """Flush what was written into the disk tier's file maps, and drop their pages ([Note: Disk tier]); placing
+        and re-homing do it chunk by chunk, a load after writing the masters."""
         if self.layout is not None and self.layout.disk is not None:
             self.layout.disk.trim()
 
