@@ -38,8 +38,8 @@ import torch
 
 import chunked_offload.disk as disk_io
 from chunked_offload import ChunkedOffloadOptimizer
-from chunked_offload.planner import ChunkPlan, Home
 from common import make_matrices, measure_link, set_random_grads, synchronize
+from reference import spill_budget
 
 GiB, MiB = 2**30, 2**20
 
@@ -116,19 +116,6 @@ def probe_disk(directory: Path, nbytes: int, pin: bool) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------------------------ one step variant
-def budget_for(plan: ChunkPlan, share: float) -> int:
-    """Host bytes that put the share of the offloaded bytes nearest ``share`` on disk (``plan``: host only)."""
-    host = [c for c in plan.chunks if c.home is Home.HOST]
-    total = sum(c.transfer_nbytes for c in host)
-    best = (2.0, 0)
-    for keep in range(len(host) + 1):
-        on_disk = host[keep:]
-        arena = max((c.home_offset + c.transfer_nbytes for c in host[:keep]), default=0)
-        bounces = (plan.num_slots + 1) * max((c.transfer_nbytes for c in on_disk), default=0)
-        best = min(best, (abs(sum(c.transfer_nbytes for c in on_disk) / total - share), arena + bounces))
-    return best[1]
-
-
 def one_step_variant(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     base = rss()["VmRSS"]
     params = make_matrices(args.params, args.dim, torch.float32, device)
@@ -159,7 +146,7 @@ def one_step_variant(args: argparse.Namespace, device: torch.device) -> dict[str
     bound = plan.host_nbytes + (plan.num_slots + 1) * plan.bounce_nbytes * bool(plan.disk_chunks)
     shares = [float(x) for x in args.shares.split(",")]
     return {
-        "budgets": {str(x): budget_for(plan, x) for x in shares} if args.host_budget is None else {},
+        "budgets": {str(x): spill_budget(plan, x) for x in shares} if args.host_budget is None else {},
         "first_s": times[0],
         "step_s": statistics.median(times[1:]),
         "h2d": last.h2d_bytes,

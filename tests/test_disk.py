@@ -21,8 +21,17 @@ import torch
 import chunked_offload.disk as disk_module
 import chunked_offload.spill as spill_module
 from chunked_offload import ChunkedOffloadOptimizer
-from chunked_offload.planner import ChunkPlan, Home
-from reference import assert_equal, assert_states_equal, internals, make_grads, make_params, run_steps, set_grads
+from chunked_offload.planner import ChunkPlan
+from reference import (
+    assert_equal,
+    assert_states_equal,
+    internals,
+    make_grads,
+    make_params,
+    run_steps,
+    set_grads,
+    spill_budget,
+)
 from test_faults import _assert_same, _committed
 from test_loops import assert_same, build, train
 
@@ -33,17 +42,8 @@ SHAPES = [(7, 5), (33,), (4, 4, 3), (9, 8), (30,), (16, 3), (5,), (12, 6)]
 
 
 def budget_for(plan: ChunkPlan, share: float) -> float:
-    """``host_budget_mb`` that puts the share of the offloaded bytes nearest ``share`` on disk (``plan``: host only)."""
-    host = [c for c in plan.chunks if c.home is Home.HOST]
-    total = sum(c.transfer_nbytes for c in host)
-    best: tuple[float, int] = (2.0, 0)
-    for keep in range(len(host) + 1):
-        on_disk = host[keep:]
-        arena = max((c.home_offset + c.transfer_nbytes for c in host[:keep]), default=0)
-        bounces = (plan.num_slots + 1) * max((c.transfer_nbytes for c in on_disk), default=0)
-        got = sum(c.transfer_nbytes for c in on_disk) / total
-        best = min(best, (abs(got - share), arena + bounces))
-    return best[1] / 2**20
+    """``host_budget_mb`` for ``share`` of ``plan``'s offloaded bytes on disk (``reference.spill_budget``)."""
+    return spill_budget(plan, share) / 2**20
 
 
 def disk_share(opt: ChunkedOffloadOptimizer) -> float:
