@@ -257,6 +257,42 @@ def test_a_grad_replaced_by_an_equal_one_steps_bitwise() -> None:
     same_loop("backward", "none", after_backward=clone)
 
 
+FINGERPRINTED = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128]
+
+
+@pytest.mark.parametrize("dtype", FINGERPRINTED)
+@pytest.mark.parametrize("layout", ["contiguous", "odd bytes", "offset", "transposed", "scalar"])
+def test_a_fingerprint_shows_a_change_to_any_one_number(dtype: torch.dtype, layout: str) -> None:
+    """[Note: Inputs of a step]: 64-bit words where the bytes allow, one integer per element where they do not."""
+    from chunked_offload.inputs import fingerprints
+
+    wide = torch.complex128 if dtype.is_complex else torch.float64
+    shape = {"odd bytes": (7, 5), "scalar": ()}.get(layout, (8, 6))
+    base = torch.randn(shape, dtype=wide).to(dtype)
+    view = {"offset": lambda t: t.view(-1)[1:], "transposed": lambda t: t.t()}.get(layout, lambda t: t)
+    before = fingerprints([view(base)])
+    assert torch.equal(before, fingerprints([view(base.clone())]))
+    numbers = view(base).numel() * (2 if dtype.is_complex else 1)
+    for k in range(numbers):
+        changed = base.clone()
+        target = torch.view_as_real(view(changed)) if dtype.is_complex else view(changed)
+        at = torch.unravel_index(torch.tensor(k), target.shape)
+        target[at] = target[at] * 0.5 if k % 2 else -target[at]
+        assert not torch.equal(fingerprints([view(changed)]), before), f"number {k} changed unseen"
+
+
+@pytest.mark.parametrize("dtype", FINGERPRINTED)
+@pytest.mark.parametrize("scale", [0.5, 0.25, 2.0**-16, 0.3])
+def test_a_fingerprint_shows_a_scaled_grad(dtype: torch.dtype, scale: float) -> None:
+    """A scaling by 2**-k changes only exponent bits: 4096 elements of 8 bytes, summed as whole words, would cancel
+    modulo 2**64."""
+    from chunked_offload.inputs import fingerprints
+
+    wide = torch.complex128 if dtype.is_complex else torch.float64
+    grad = (torch.rand(64, 64, dtype=wide) + 1).to(dtype)
+    assert not torch.equal(fingerprints([grad * scale]), fingerprints([grad]))
+
+
 def test_clipping_that_does_not_clip_steps_bitwise() -> None:
     """clip_grad_norm_ with a large max_norm multiplies by exactly 1: the grads are unchanged, so is the result."""
     same_loop("backward", "none", after_backward=lambda i, m, o: torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9))

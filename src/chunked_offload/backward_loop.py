@@ -106,9 +106,9 @@ class BackwardLoop:
             written = self._groups_after.changes(self.groups) if self._groups_after is not None else []
             message = refusals.changes_refusal([], written, stepped=True)
             if message is None:
-                with self.pipeline.gate.stepping():  # after the caller's work and the step stream's own records
-                    self._pending = backward.grads.compare(self.pipeline.grad_of, self._indices())
-                self.pipeline.gate.join()  # what the caller enqueues next (a zero_grad, a graph replay) waits for it
+                # On the caller's stream: after its own work, and after the records (the end of the backward ordered
+                # it after the step stream); what it enqueues next (a zero_grad, a graph replay) comes after.
+                self._pending = backward.grads.compare(self.pipeline.grad_of, self._indices())
                 self.settle(wait=False)
         if message:
             self.observing = True
