@@ -253,9 +253,11 @@ def settled_cuda_memory() -> int:
 
 def spill_budget(plan: Any, share: float) -> int:
     """Host bytes (``host_budget_mb`` x 2**20) that put the share of ``plan``'s offloaded bytes nearest ``share`` on
-    disk: the host arena of the chunks kept, plus ``num_slots + 1`` bounces of the largest chunk on disk, as
+    disk: the host arena of the chunks kept, plus ``num_slots + 1`` bounces of the largest chunk on disk (whole
+    pages), as
     ``chunked_offload.spill.spill`` counts them (``plan``: one without a disk tier)."""
     from chunked_offload.planner import Home
+    from chunked_offload.specs import whole_pages
 
     host = [c for c in plan.chunks if c.home is Home.HOST]
     total = sum(c.transfer_nbytes for c in host)
@@ -263,6 +265,6 @@ def spill_budget(plan: Any, share: float) -> int:
     for keep in range(len(host) + 1):
         on_disk = host[keep:]
         arena = max((c.home_offset + c.transfer_nbytes for c in host[:keep]), default=0)
-        bounces = (plan.num_slots + 1) * max((c.transfer_nbytes for c in on_disk), default=0)
+        bounces = (plan.num_slots + 1) * whole_pages(max((c.transfer_nbytes for c in on_disk), default=0))
         best = min(best, (abs(sum(c.transfer_nbytes for c in on_disk) / total - share), arena + bounces))
     return best[1]

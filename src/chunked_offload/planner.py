@@ -7,7 +7,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .specs import ALIGNMENT, PAGE, Bundle, Role, TensorSpec, align, dense_spec
+from .specs import ALIGNMENT, PAGE, Bundle, Role, TensorSpec, align, dense_spec, whole_pages
 
 __all__ = [
     "ALIGNMENT",
@@ -156,8 +156,8 @@ class ChunkPlan:
 
     @property
     def bounce_nbytes(self) -> int:
-        """Bytes of one page-locked bounce buffer: the largest chunk on disk."""
-        return max((c.transfer_nbytes for c in self.disk_chunks), default=0)
+        """Bytes of one page-locked bounce buffer: the largest chunk on disk, in whole pages (O_DIRECT writes them)."""
+        return whole_pages(max((c.transfer_nbytes for c in self.disk_chunks), default=0))
 
     @property
     def resident_nbytes(self) -> int:

@@ -201,7 +201,7 @@ def place(
     if plan.disk_chunks:
         if spill_dir is None:
             raise RuntimeError("a plan with chunks on disk needs spill_dir")
-        disk = DiskStore(spill_dir, plan.disk_chunks, plan.num_slots + 1, pin=pin)  # a directory of its own
+        disk = DiskStore(spill_dir, plan.disk_chunks, plan.num_slots + 1, plan.bounce_nbytes, pin=pin)  # its own dir
     stores = stores_by_home(host, resident, disk)
     homes: Views = {}
     for chunk in plan.all_chunks:

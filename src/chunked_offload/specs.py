@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ALIGNMENT", "PAGE", "Bundle", "Role", "TensorSpec", "align", "dense_spec"]
+__all__ = ["ALIGNMENT", "PAGE", "Bundle", "Role", "TensorSpec", "align", "dense_spec", "whole_pages"]
 
 # Every tensor starts on a 256-byte boundary inside a chunk: enough for any dtype view and for the
 # 16-byte vector loads that fused kernels (torch, Transformer Engine) issue on raw pointers.
@@ -35,6 +35,11 @@ class Role(enum.Enum):
 def align(nbytes: int) -> int:
     """``nbytes`` rounded up to the tensor alignment inside a chunk."""
     return (nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def whole_pages(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole pages."""
+    return (nbytes + PAGE - 1) // PAGE * PAGE
 
 
 @dataclass(frozen=True)

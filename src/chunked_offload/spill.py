@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .planner import ChunkPlan, Home
+from .specs import whole_pages
 
 __all__ = ["auto_host_budget", "check_free_space", "check_spill_dir", "filesystem_of", "meminfo", "spill"]
 
@@ -112,8 +113,8 @@ def auto_host_budget(headroom_share: float = 0.1, min_headroom: int = 4 * 2**30)
 
 def spill(plan: ChunkPlan, host_budget: int) -> ChunkPlan:
     """``plan`` with its last offloaded chunks on disk: the host keeps the longest run of offloaded chunks from the
-    first whose arena, with ``num_slots + 1`` bounce buffers of the largest chunk on disk, fits ``host_budget`` bytes
-    ([Note: Disk tier]).
+    first whose arena, with ``num_slots + 1`` bounce buffers of the largest chunk on disk (in whole pages), fits
+    ``host_budget`` bytes ([Note: Disk tier]).
 
     Raises:
         ValueError: not even the bounce buffers fit.
@@ -123,11 +124,11 @@ def spill(plan: ChunkPlan, host_budget: int) -> ChunkPlan:
     for keep in range(len(host), -1, -1):
         disk = host[keep:]
         arena = max((c.home_offset + c.transfer_nbytes for c in host[:keep]), default=0)
-        window = bounces * max((c.transfer_nbytes for c in disk), default=0)
+        window = bounces * whole_pages(max((c.transfer_nbytes for c in disk), default=0))
         if arena + window <= host_budget:
             break
     else:
-        largest = max((c.transfer_nbytes for c in host), default=0)
+        largest = whole_pages(max((c.transfer_nbytes for c in host), default=0))
         raise ValueError(
             f"host_budget_mb={host_budget / 2**20:.2f} holds not even the {bounces} bounce buffers of the disk tier "
             f"(num_slots + 1 of the largest chunk, {largest / 2**20:.2f} MiB): raise host_budget_mb to at least "
