@@ -177,7 +177,7 @@ def main() -> int:
                 share = None
                 if isinstance(opt, ChunkedOffloadOptimizer):
                     share = opt.stats.resident_share if opt.stats is not None else None
-                    if floor is None:
+                    if floor is None and opt.plan.host_nbytes:  # not an "auto" plan that kept all on the GPU
                         state_nbytes = opt.plan.host_nbytes
                         floor = state_nbytes / link.duplex
                 times[variant], peaks[variant], hosts[variant] = Stats.of(seconds), peak, (host_s, step_s, share)
@@ -185,26 +185,28 @@ def main() -> int:
             gc.collect()
             if gpu:
                 torch.cuda.empty_cache()
-        if floor is None or not times:
+        if not times:
             continue
         tokens = batch * args.seq
         base = times["resident"].median if "resident" in times else None  # None: the resident loop did not fit
         for variant in (v for v in variants if v in times):
             added = None if base is None else times[variant].median - base
             kept = None if base is None else base / times[variant].median
+            ratio = added / floor if added is not None and floor else None
             rec.add(workload, variant, f"iter_s@{tokens}", times[variant])
             rec.add(workload, variant, f"peak_gib@{tokens}", peaks[variant] / 2**30)
             host_s, step_s, share = hosts[variant]
             rec.add(workload, variant, f"step_host_s@{tokens}", host_s)
             if variant != "resident":
-                if added is not None and kept is not None:
-                    rec.add(workload, variant, f"exposed_x_floor@{tokens}", added / floor)
+                if ratio is not None:
+                    rec.add(workload, variant, f"exposed_x_floor@{tokens}", ratio)
+                if kept is not None:
                     rec.add(workload, variant, f"kept@{tokens}", kept)
                 if variant not in PEERS:
                     rec.add(workload, variant, f"step_s@{tokens}", step_s)
                 if share is not None:
                     rec.add(workload, variant, f"resident_share@{tokens}", share)
-            rows.append((tokens, variant, times[variant].median, added, None if added is None else added / floor, kept,
+            rows.append((tokens, variant, times[variant].median, added, ratio, kept,
                          peaks[variant] / 2**30, host_s, step_s, share))  # fmt: skip
     if floor is not None:
         rec.add(workload, "floor", "step_floor_s", floor)
@@ -218,10 +220,11 @@ def main() -> int:
     )
     for tokens, variant, it, added, ratio, kept, peak, host_s, step_s, share in rows:
         ours = variant not in ("resident", *PEERS)
-        relative = variant != "resident" and added is not None and ratio is not None
+        relative = variant != "resident" and added is not None
+        x_floor = f"{ratio:.3f}" if relative and ratio is not None else "-"
         print(
             f"{tokens:>7} {variant:>13} {it:>8.4f} {f'{added:.4f}' if relative else '-':>8} "
-            f"{f'{ratio:.3f}' if relative else '-':>8} {'-' if kept is None else f'{100 * kept:.1f}%':>6} {peak:>9.2f} "
+            f"{x_floor:>8} {'-' if kept is None else f'{100 * kept:.1f}%':>6} {peak:>9.2f} "
             f"{host_s:>14.4f} {f'{step_s:.4f}' if ours else '-':>8} {'-' if share is None else f'{share:.0%}':>8}"
         )
     if any(row[3] is None for row in rows):
