@@ -18,6 +18,7 @@ Workloads:
 Commands:
     PYTHONPATH=src:tests:benchmarks python3 benchmarks/bench_disk.py                  # GPU: 1e9 params; CPU: tiny
     PYTHONPATH=src:tests:benchmarks python3 benchmarks/bench_disk.py --capacity-params 1.1e10 --capacity-host-gib 64
+    PYTHONPATH=src:tests:benchmarks python3 benchmarks/bench_disk.py --writes buffered   # the A/B of the tier's writes
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ def capacity_trial(args: argparse.Namespace, device: torch.device) -> dict[str, 
 def child(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
     cmd = [sys.executable, __file__, *extra, "--params", str(args.params), "--dim", str(args.dim)]
     cmd += ["--chunk-mb", str(args.chunk_mb), "--iters", str(args.iters), "--spill-dir", str(args.spill_dir)]
-    cmd += ["--shares", args.shares]
+    cmd += ["--shares", args.shares, "--writes", args.writes]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -225,12 +226,18 @@ def main() -> int:
     parser.add_argument("--spill-dir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--capacity-params", type=float, default=0)
     parser.add_argument("--capacity-host-gib", type=float, default=64)
+    parser.add_argument(
+        "--writes", choices=["tier", "buffered"], default="tier",
+        help="buffered: the tier writes its files buffered, then fsync (an A/B against its O_DIRECT on one machine)",
+    )  # fmt: skip
     parser.add_argument("--host-budget", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--capacity", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     device = torch.device("cuda" if gpu else "cpu")
     if args.one or args.capacity:
+        if args.writes == "buffered":
+            disk_io.write_new_file = lambda path, data, nbytes=None: _buffered_write(path, data[:nbytes])
         print(json.dumps(capacity_trial(args, device) if args.capacity else one_step_variant(args, device)))
         return 0
 
@@ -240,7 +247,8 @@ def main() -> int:
     duplex = link.duplex if link is not None else float("inf")
     if link is not None:
         print(f"link (GB/s): H2D {link.h2d / 1e9:.1f}, D2H {link.d2h / 1e9:.1f}, each way at once {duplex / 1e9:.1f}")
-    read_bw, write_bw = disk["read buffered, 2 threads"] * 1e9, disk["write (the tier's)"] * 1e9
+    written = "write (the tier's)" if args.writes == "tier" else "write buffered+fsync"
+    read_bw, write_bw = disk["read buffered, 2 threads"] * 1e9, disk[written] * 1e9
     host_only = child(args, ["--one"])  # its plan sets the host budgets of the other shares
     rows, ok = [], True
     for share in (float(s) for s in args.shares.split(",")):
