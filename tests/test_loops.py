@@ -293,6 +293,22 @@ def test_a_fingerprint_shows_a_scaled_grad(dtype: torch.dtype, scale: float) -> 
     assert not torch.equal(fingerprints([grad * scale]), fingerprints([grad]))
 
 
+def test_an_fp64_grad_halved_after_a_backward_that_stepped_is_refused() -> None:
+    """A 64 x 64 fp64 grad times 0.5 changes each 64-bit word by -2**52: its word sum comes back modulo 2**64."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False)).double()
+    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), step_in_backward=True)
+    x = torch.randn(8, 64, dtype=torch.float64)
+    for _ in range(2):
+        model(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    model(x).square().sum().backward()
+    model[0].weight.grad.mul_(0.5)  # type: ignore[union-attr]
+    with pytest.raises(RuntimeError, match="already updated the params"):
+        opt.step()
+
+
 def test_clipping_that_does_not_clip_steps_bitwise() -> None:
     """clip_grad_norm_ with a large max_norm multiplies by exactly 1: the grads are unchanged, so is the result."""
     same_loop("backward", "none", after_backward=lambda i, m, o: torch.nn.utils.clip_grad_norm_(m.parameters(), 1e9))
