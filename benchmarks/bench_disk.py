@@ -24,6 +24,7 @@ Commands:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import mmap
 import os
@@ -57,18 +58,6 @@ def rss() -> dict[str, int]:
 
 
 # ------------------------------------------------------------------------------------------------ the disk alone
-def _buffered_write(path: Path, data: torch.Tensor) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        view, done = memoryview(data.numpy()).cast("B"), 0  # type: ignore[arg-type]
-        while done < len(view):
-            done += os.write(fd, view[done : done + 64 * MiB])
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _direct_read(path: Path, buf: mmap.mmap) -> None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
     try:
@@ -95,7 +84,8 @@ def probe_disk(directory: Path, nbytes: int, pin: bool) -> dict[str, float]:
         fn()
         out[key] = nbytes / (time.perf_counter() - t0) / 1e9
 
-    timed("write buffered+fsync", lambda: _buffered_write(path, data))
+    path.unlink(missing_ok=True)
+    timed("write buffered+fsync", lambda: disk_io.write_new_file(path, data, direct=False))
     timed("read buffered, 1 thread", lambda: disk_io.read_file_into(path, data))
     halves = [data[: nbytes // 2], data[nbytes // 2 :]]
     paths = [directory / "probe0.bin", directory / "probe1.bin"]
@@ -237,7 +227,7 @@ def main() -> int:
     device = torch.device("cuda" if gpu else "cpu")
     if args.one or args.capacity:
         if args.writes == "buffered":
-            disk_io.write_new_file = lambda path, data, nbytes=None: _buffered_write(path, data[:nbytes])
+            disk_io.write_new_file = functools.partial(disk_io.write_new_file, direct=False)
         print(json.dumps(capacity_trial(args, device) if args.capacity else one_step_variant(args, device)))
         return 0
 

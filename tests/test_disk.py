@@ -125,6 +125,22 @@ def test_writes_go_through_o_direct_where_the_filesystem_takes_it(
     assert [f.stat().st_size for f in spill_files(tmp_path)] == [c.transfer_nbytes for c in opt.plan.disk_chunks]
 
 
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")
+@pytest.mark.parametrize("direct", [True, False])
+def test_write_new_file_takes_o_direct_only_when_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool
+) -> None:
+    """``direct=False`` is bench_disk's buffered side of its A/B: the same file, never through O_DIRECT."""
+    flags: list[int] = []
+    real_open = os.open
+    monkeypatch.setattr(disk_module.os, "open", lambda path, f, *a: flags.append(f) or real_open(path, f, *a))
+    bounce = disk_module._Bounce(3 * disk_module.ALIGN, pin=False).buffer
+    bounce.random_(0, 255)
+    disk_module.write_new_file(tmp_path / "f.bin", bounce, 5000, direct=direct)
+    assert (tmp_path / "f.bin").read_bytes() == bytes(bounce[:5000].numpy())
+    assert any(f & os.O_DIRECT for f in flags) == direct  # tried first when asked (a tmpfs then refuses it)
+
+
 def test_the_optimizer_state_on_disk_equals_the_plain_optimizers(tmp_path: Path) -> None:
     params, ref_params = make_params(SHAPES), make_params(SHAPES)
     ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1)

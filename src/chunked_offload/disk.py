@@ -60,14 +60,14 @@ def read_file_into(path: Path, out: torch.Tensor) -> None:
 ALIGN = PAGE  # O_DIRECT moves whole blocks: the buffer's address, the file offset and the length are multiples of it
 
 
-def write_new_file(path: Path, data: torch.Tensor, nbytes: int | None = None) -> None:
+def write_new_file(path: Path, data: torch.Tensor, nbytes: int | None = None, *, direct: bool = True) -> None:
     """Write the first ``nbytes`` (default all) of the uint8 tensor ``data`` to a new file ``path``, flushed to the
     disk: through O_DIRECT (1.36x the buffered rate on the H200's disk) where ``data`` is whole blocks from a block
-    boundary (a bounce) and the filesystem takes it, else buffered."""
+    boundary (a bounce) and the filesystem takes it, else buffered (always, with ``direct=False``: bench_disk's A/B)."""
     nbytes = data.numel() if nbytes is None else nbytes
     view = memoryview(data.numpy()).cast("B")  # type: ignore[arg-type]
     padded = whole_pages(nbytes)
-    direct = hasattr(os, "O_DIRECT") and data.data_ptr() % ALIGN == 0 and len(view) >= padded
+    direct = direct and hasattr(os, "O_DIRECT") and data.data_ptr() % ALIGN == 0 and len(view) >= padded
     if not (direct and _write(path, view[:padded], nbytes, os.O_DIRECT)):
         _write(path, view[:nbytes], nbytes, 0)
 
