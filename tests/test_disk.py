@@ -100,8 +100,12 @@ def test_writes_go_through_o_direct_where_the_filesystem_takes_it(
         if direct and refused == "open":
             raise OSError(errno.EINVAL, "Invalid argument")
         fd = real_open(path, flags, *args)
-        (direct_fds.add(fd) if direct else direct_fds.discard(fd))
-        opened["direct" if direct else "buffered"] += flags & os.O_WRONLY != 0
+        if direct:
+            direct_fds.add(fd)
+        else:
+            direct_fds.discard(fd)
+        if flags & os.O_WRONLY:
+            opened["direct" if direct else "buffered"] += 1
         return fd
 
     def fake_write(fd: int, data: Any) -> int:
