@@ -138,7 +138,7 @@ def test_write_new_file_takes_o_direct_only_when_asked(
     flags: list[int] = []
     real_open = os.open
     monkeypatch.setattr(disk_module.os, "open", lambda path, f, *a: flags.append(f) or real_open(path, f, *a))
-    bounce = disk_module._Bounce(3 * disk_module.ALIGN, pin=False).buffer
+    bounce = torch.frombuffer(mmap.mmap(-1, 3 * disk_module.ALIGN), dtype=torch.uint8)  # page-aligned, as a bounce
     bounce.random_(0, 255)
     disk_module.write_new_file(tmp_path / "f.bin", bounce, 5000, direct=direct)
     assert (tmp_path / "f.bin").read_bytes() == bytes(bounce[:5000].numpy())
