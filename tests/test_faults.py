@@ -31,6 +31,8 @@ SHAPES = [*ODD_SHAPES, (9, 8), (30,)]
 CONFIGS: dict[str, dict[str, Any]] = {
     "adamw": {},
     "adamw-resident": {"offload_fraction": 0.5},
+    "adamw-resident-masters": {"offload_fraction": 0.5, "master_weights": "fp32"},
+    "adamw-resident-remainder": {"offload_fraction": 0.5, "master_weights": "remainder"},
     "adamw-fp32-masters": {"master_weights": "fp32"},
     "adamw-remainder": {"master_weights": "remainder"},
     "sgd-momentum": {},

@@ -19,7 +19,6 @@ from .transfer import TransferEngine
 
 __all__ = ["ChunkPipeline", "Pending"]
 
-
 _NON_STATE = (Role.MASTER, Role.REMAINDER, Role.TIE_BITS, Role.SCRATCH)
 
 Event = torch.cuda.Event | None
@@ -197,8 +196,7 @@ class ChunkPipeline:
             raise
         self.gate.mark_ready(chunk.params, stepped)
 
-    def _disk(self, chunk: Chunk) -> DiskStore | None:
-        """The disk store, for a chunk on disk."""
+    def _disk(self, chunk: Chunk) -> DiskStore | None:  # the disk store, for a chunk on disk
         return self.layout.disk if self.layout is not None and chunk.home is Home.DISK else None
 
     def flush_write_back(self) -> None:
@@ -216,7 +214,7 @@ class ChunkPipeline:
             self.pool.release_slot(pending.slot, self.engine.d2h_stream)
 
     @property
-    def held_slot(self) -> Slot | None:
+    def held_slot(self) -> Slot | None:  # the slot of the held write-back
         return None if self._held is None else self._held[1].slot
 
     @property
@@ -260,10 +258,7 @@ class ChunkPipeline:
         self._active, self._landing = False, None
 
     def abort(self, pending: Pending | None) -> bool:
-        """Roll the failing chunk back (or forward), let committed write-backs land, free every slot.
-
-        Returns whether the failing chunk was rolled forward (committed).
-        """
+        """Roll the failing chunk back (or forward: returns True), let committed write-backs land, free every slot."""
         self.gate.join()  # the rollback below runs on the caller's stream, after what the step stream enqueued
         forward = pending is not None and pending.committing
         if pending is not None:
@@ -302,11 +297,25 @@ class ChunkPipeline:
         return self.store(chunk).region(chunk.home_offset + offset, nbytes)
 
     def step_staged(self, chunk: Chunk, slot: Slot, h2d_event: Event, hooks: ChunkHooks) -> Pending:
+        """Step a chunk that has state after its H2D.
+
+        [Note: Resident chunks step in place]
+        A resident chunk's state and masters step in their homes, device memory already. Its slot holds scratch
+        and the copy of the homes that a rollback puts back ([Note: Chunk transactions]); its commit copies nothing
+        (the D2H stream records the slot's ``free_event`` after the step, for the next H2D into the slot).
+        """
         layout, stepper = self._require()
         self.engine.wait_staged(slot, h2d_event)
         buffer = self._buffer(slot)
-        _, txn = stepper.run(chunk, chunk_views(chunk, layout.infos, buffer), hooks, fresh=False)
         n = chunk.transfer_nbytes
+        if chunk.home is Home.DEVICE:
+            views = chunk_views(chunk, layout.infos, buffer, roles=(Role.SCRATCH,))
+            for i in chunk.params:
+                views[i].update(layout.homes[i])
+            restores = [(self._home_region(chunk, n), buffer[:n])] if n else []
+            _, txn = stepper.run(chunk, views, hooks, fresh=False, restores=restores)
+            return Pending(slot, txn, [])
+        _, txn = stepper.run(chunk, chunk_views(chunk, layout.infos, buffer), hooks, fresh=False)
         disk = self._disk(chunk)
         home = disk.bounce_of(chunk) if disk is not None else self._home_region(chunk, n)  # a file: via its bounce
         return Pending(slot, txn, [(home[:n], buffer[:n])] if n else [])

@@ -66,9 +66,11 @@ class ChunkTxn:
     A chunk commits whole or not at all: params, offloaded state, 0-dim counters, non-tensor state and masters
     together. Before the inner step the stepper records each param's state entry (0-dim tensors by value) and
     copies each stepped param into its slot's backup region. Offloaded state and masters need no copy: their
-    homes are untouched until the write-back. Rolling back restores the params from the backups, puts every
-    entry back as it was (removing entries and keys the step created), and leaves the slot's bytes to be
-    overwritten. Once the write-back is enqueued the chunk is committed and the record is dropped.
+    homes are untouched until the write-back. A resident chunk steps in its homes ([Note: Resident chunks step in
+    place] in pipeline.py), so its slot holds a copy of them, which a rollback copies back. Rolling back restores
+    the params from the backups, puts every entry back as it was (removing entries and keys the step created), and
+    leaves the slot's bytes to be overwritten. Once the write-back is enqueued the chunk is committed and the record
+    is dropped.
 
     Attributes:
         state: the inner optimizer's state.
@@ -77,6 +79,7 @@ class ChunkTxn:
         backups: (param, backup view) of every stepped param.
         swaps: master swaps still in effect.
         extras: throwaway params whose state is dropped.
+        restores: (home, copy of it before the step) of a chunk stepped in its homes.
     """
 
     state: Any
@@ -85,9 +88,12 @@ class ChunkTxn:
     backups: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     swaps: list[_MasterSwap] = field(default_factory=list)
     extras: list[torch.Tensor] = field(default_factory=list)
+    restores: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
 
     def rollback(self) -> None:
         """Undo the chunk: the params, their state entries and the counters are as before its step."""
+        for home, before in self.restores:
+            home.copy_(before)
         for swap in reversed(self.swaps):
             _undo_swap(swap)
         for p, backup in self.backups:
@@ -159,11 +165,21 @@ class ChunkStepper:
         self._narrowed: dict[int, list[list[torch.Tensor]]] = {}  # chunk index -> its params, group by group
 
     def run(
-        self, chunk: Chunk, views: Views, counters: ChunkHooks, *, fresh: bool
+        self,
+        chunk: Chunk,
+        views: Views,
+        counters: ChunkHooks,
+        *,
+        fresh: bool,
+        restores: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], ChunkTxn]:
-        """Step one chunk; return the ``(home, device tensor)`` pairs of fresh state to write back, and the txn."""
+        """Step one chunk; return the ``(home, device tensor)`` pairs of fresh state to write back, and the txn.
+
+        ``restores``: ``(home, copy)`` pairs that a rollback copies back, for views that are the homes themselves.
+        """
         infos = [self.infos[i] for i in chunk.params]
         txn = self._record(infos)
+        txn.restores = restores
         try:
             stepped = [info for info in infos if self.adapter.grad_of(info.param) is not None]
             for info in stepped:
