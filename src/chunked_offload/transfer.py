@@ -173,7 +173,8 @@ class TransferEngine:
                     if base is None:  # a fresh chunk's own memory: ordered by fresh_memory above
                         dev.copy_(host, non_blocking=True)
                         continue
-                    for lo, hi in _pieces(dev.numel()):
+                    # A copy on the device (a resident chunk's homes) goes whole: its pieces would cost host time only.
+                    for lo, hi in _pieces(dev.numel()) if host.device.type == "cpu" else [(0, dev.numel())]:
                         while marks and marks[0][0] < base + hi:
                             marks.pop(0)  # a later mark covers these bytes
                         if marks:
