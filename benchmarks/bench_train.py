@@ -13,7 +13,7 @@ Variants, each timed on the same iterations in one run:
                the backward. This mode cannot clip (it steps before clipping could run), so its loop does not clip,
                and it is checked against a resident run without clipping; its exposed time is against the resident
                iteration with clipping (which costs the resident loop a few ms).
-    backward-auto, overlap-auto
+    sync-auto, overlap-auto, backward-auto
                the same with gpu_budget_mb="auto": from the second step on, the state of the first params stays
                resident in the device memory the training leaves unused. --auto-spare F caps the device memory of
                these variants (torch.cuda.set_per_process_memory_fraction) so that what is left beside the fully

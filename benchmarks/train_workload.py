@@ -23,7 +23,7 @@ from peers import DeepSpeedZeroOffload, TorchaoOffload
 from reference import ResidentMasters
 
 VARIANTS = ("resident", "sync", "overlap", "backward")
-AUTO = ("overlap-auto", "backward-auto")
+AUTO = ("sync-auto", "overlap-auto", "backward-auto")
 # backward without the content checks of step() ([Note: Inputs of a step]): what those cost (issue 32).
 UNCHECKED = ("backward-unchecked",)
 RESERVED: dict[str, int] = {}  # each variant's reserved peak in the last batch (--auto-spare caps from it)
