@@ -96,6 +96,7 @@ def main() -> int:
     parser.add_argument("--fsdp2", action="store_true", help="shard the model with FSDP2 (world size 1)")
     parser.add_argument("--blocks", action="store_true", help="attach(model, blocks=True): a hook per decoder layer")
     parser.add_argument("--trace", type=Path, metavar="DIR", help="write a profiler trace of each variant to DIR")
+    parser.add_argument("--trace-stack", action="store_true", help="the traces record Python calls too")
     args = parser.parse_args()
     args.variants = tuple(v for v in args.variants.split(",") if v) + (PEERS if args.peers else ())
     known = (*VARIANTS, *AUTO, *UNCHECKED, *PEERS)

@@ -1,10 +1,12 @@
 """Summarise profiler traces (``bench_train.py --trace DIR``): GPU idle per iteration and host ms per chunk.
 
-    python benchmarks/trace_summary.py DIR [--iters 2]
+    python benchmarks/trace_summary.py DIR [--iters 2] [--ops 12]
 
 GPU idle is the part of the span from the first to the last GPU activity (kernels, copies, memsets, on any stream)
 in which none runs, divided by the iterations traced. Host ms per chunk is the duration of the
-``chunked_offload::chunk`` scope: the host's work to stage, step and commit one chunk.
+``chunked_offload::chunk`` scope: the host's work to stage, step and commit one chunk. ``--ops N`` also lists, per
+trace, the N host ops with the most self time inside those scopes (ms per chunk, calls per chunk): where the host
+time of a chunk goes.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import re
 import statistics
 from pathlib import Path
 from typing import Any
@@ -50,10 +53,45 @@ def summarise(path: Path, iters: int) -> dict[str, float]:
     }
 
 
+def chunk_ops(path: Path) -> list[tuple[str, float, float]]:
+    """``(name, self ms per chunk, calls per chunk)`` of the host ops inside the chunk scopes, most self time first.
+
+    Self time is an op's duration less that of the ops directly inside it (on the same thread).
+    """
+    events = _events(path)
+    host = sorted(
+        (e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "python_function")),
+        key=lambda e: (e["tid"], e["ts"], -e["dur"]),
+    )
+    totals: dict[str, list[float]] = {}
+    chunks = 0
+    stack: list[tuple[dict[str, Any], list[float]]] = []  # (event, [children's duration]) of the open scopes
+
+    def close(until: float, tid: Any) -> None:
+        while stack and (stack[-1][0]["tid"] != tid or stack[-1][0]["ts"] + stack[-1][0]["dur"] <= until):
+            event, children = stack.pop()
+            if any(e["name"] == CHUNK for e, _ in stack) or event["name"] == CHUNK:
+                entry = totals.setdefault(re.sub(r" at 0x[0-9a-f]+", "", event["name"]), [0.0, 0.0])
+                entry[0] += event["dur"] - children[0]
+                entry[1] += 1
+            if stack:
+                stack[-1][1][0] += event["dur"]
+
+    for e in host:
+        close(e["ts"], e["tid"])
+        chunks += e["name"] == CHUNK
+        stack.append((e, [0.0]))
+    close(float("inf"), None)
+    n = max(chunks, 1)
+    rows = [(name, us / 1e3 / n, calls / n) for name, (us, calls) in totals.items()]
+    return sorted(rows, key=lambda r: -r[1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("traces", type=Path, help="a directory of *.json.gz traces, or one trace")
     parser.add_argument("--iters", type=int, default=2, help="iterations in each trace (bench_train traces 2)")
+    parser.add_argument("--ops", type=int, default=0, metavar="N", help="the N host ops with most self time per chunk")
     args = parser.parse_args()
     paths = sorted(args.traces.glob("*.json*")) if args.traces.is_dir() else [args.traces]
     print(f"{'trace':>34} {'ms/iter':>8} {'GPU idle ms/iter':>17} {'chunks/iter':>12} {'host ms/chunk':>14}")
@@ -61,6 +99,12 @@ def main() -> None:
         s = summarise(path, args.iters)
         name = path.name.removesuffix(".gz").removesuffix(".json")
         print(f"{name:>34} {s['span_ms']:8.1f} {s['idle_ms']:17.2f} {s['chunks']:12.1f} {s['host_ms_per_chunk']:14.3f}")
+    for path in paths if args.ops else []:
+        rows = chunk_ops(path)
+        if rows:
+            print(f"\n{path.name}: host self ms per chunk, calls per chunk")
+            for op, ms, calls in rows[: args.ops]:
+                print(f"  {op[:60]:60} {ms:8.3f} {calls:8.1f}")
 
 
 if __name__ == "__main__":

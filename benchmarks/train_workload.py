@@ -176,17 +176,23 @@ def _run_variant(
     RESERVED[variant] = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else 0  # what "auto" reads
     step_s = opt.stats.seconds if isinstance(opt, ChunkedOffloadOptimizer) and opt.stats is not None else 0.0
     if args.trace is not None:
-        trace(model, opt, data[-2:], clip, forward, args.trace / f"{variant}_{batch * args.seq}.json.gz")
+        path = args.trace / f"{variant}_{batch * args.seq}.json.gz"
+        trace(model, opt, data[-2:], clip, forward, path, stack=args.trace_stack)
     return seconds, peak, opt, statistics.median(hosts), step_s
 
 
-def trace(model: torch.nn.Module, opt: Any, data: list, clip: bool, forward: Any, path: Path) -> None:
-    """A profiler trace (Chrome format, gzipped) of a few more iterations, after the timed ones."""
+def trace(
+    model: torch.nn.Module, opt: Any, data: list, clip: bool, forward: Any, path: Path, stack: bool = False
+) -> None:
+    """A profiler trace (Chrome format, gzipped) of a few more iterations, after the timed ones.
+
+    ``stack``: record Python calls too (trace_summary.py --ops then names the functions the host time goes to).
+    """
     from torch.profiler import ProfilerActivity, profile
 
     device = next(model.parameters()).device
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=stack) as prof:
         for ids in data:
             iterate(model, opt, ids, clip, forward)
         opt.wait_step()
