@@ -216,5 +216,26 @@ def test_reconcile_master_in_any_dense_layout(shape: tuple[int, ...], permute: t
     assert torch.equal(strided.contiguous().view(torch.int32), expected.view(torch.int32))
 
 
+def test_reconcile_masters_applies_the_rule_to_each_of_a_mixed_list() -> None:
+    """One call over bf16 and fp16 params of several layouts (the stepper's call for a chunk) equals the rule per
+    param: the foreach passes pair each param with its own master."""
+    from chunked_offload.masters import reconcile_masters
+
+    cases = []
+    for k, (dtype, shape, permute) in enumerate(
+        [(torch.bfloat16, (64, 48), (1, 0)), (torch.float16, (300,), (0,)), (torch.bfloat16, (), ()),
+         (torch.bfloat16, (0, 3), (1, 0)), (torch.bfloat16, (4, 6, 8), (2, 0, 1)), (torch.float16, (5, 7), (1, 0))]
+    ):  # fmt: skip
+        param, master = _edited_pairs(dtype, per_param=1)
+        n, start = math.prod(shape), 977 * k
+        param, master = param[start : start + n].reshape(shape), master[start : start + n].reshape(shape)
+        cases.append(
+            (param, master.permute(permute).contiguous().permute(_inverse(permute)), _edit_rule(param, master))
+        )
+    reconcile_masters([p for p, _, _ in cases], [m for _, m, _ in cases], [torch.empty_like(p) for p, _, _ in cases])
+    for param, got, expected in cases:
+        assert torch.equal(got.contiguous().view(torch.int32), expected.view(torch.int32)), (param.dtype, param.shape)
+
+
 def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(sorted(range(len(order)), key=order.__getitem__))

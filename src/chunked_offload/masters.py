@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import math
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -24,6 +24,7 @@ __all__ = [
     "needs_master",
     "read_master",
     "reconcile_master",
+    "reconcile_masters",
     "write_master",
 ]
 
@@ -164,31 +165,43 @@ def decode_remainder(param: torch.Tensor, remainder: torch.Tensor, tie_bits: tor
 def reconcile_master(param: torch.Tensor, master: torch.Tensor, rounded: torch.Tensor) -> None:
     """Apply [Note: Edited params] to ``master`` in place: after it, ``master`` rounds to ``param`` everywhere.
 
-    It runs before every step of every param with a master, edited or not, so it makes few passes over memory: a
-    rounding, an int16 subtraction and an addition into the master's high halves, then a rounding, a compare and a
-    select (about 44 bytes moved per element; 88 with int32 products).
-
     Args:
         param: the 16-bit param as it is now.
         master: fp32 master: the stored one (fp32 mode) or the one decoded against ``param`` (remainder mode).
         rounded: scratch of ``param``'s dtype, shaped like ``param``.
     """
-    if master.numel() == 0:
+    reconcile_masters([param], [master], [rounded])
+
+
+def reconcile_masters(
+    params: Sequence[torch.Tensor], masters: Sequence[torch.Tensor], rounded: Sequence[torch.Tensor]
+) -> None:
+    """:func:`reconcile_master` on each ``(param, master, rounded)``, with one call per pass for all of them.
+
+    It runs before every step of every param with a master, edited or not, so it makes few passes over memory: a
+    rounding, an int16 subtraction and a subtraction from the master's high halves, then a rounding, a compare and
+    a select (about 44 bytes moved per element). The passes but the last run as foreach calls over all the masters
+    (their host cost is paid per call, not per param).
+    """
+    triples = [(p, m, r) for p, m, r in zip(params, masters, rounded, strict=True) if m.numel()]
+    if not triples:
         return
-    if param.dtype == torch.bfloat16:
-        # bits(x') = bits(x) + (P - round(x)) * 65536, which keeps the master's low 16 bits and adds P - round(x)
+    bf16 = [(p, m, r) for p, m, r in triples if p.dtype == torch.bfloat16]
+    if bf16:
+        # bits(x') = bits(x) - (round(x) - P) * 65536, which keeps the master's low 16 bits and adds P - round(x)
         # to its high 16 (modulo 2**16, as int16 arithmetic wraps): x itself wherever the param was not edited.
-        rounded.copy_(master)
-        diff = rounded.view(torch.int16)
-        torch.sub(param.view(torch.int16), diff, out=diff)
-        high, diff = _high_halves(master, diff)
-        high.add_(diff)
+        torch._foreach_copy_([r for _, _, r in bf16], [m for _, m, _ in bf16])
+        diffs = [r.view(torch.int16) for _, _, r in bf16]
+        torch._foreach_sub_(diffs, [p.view(torch.int16) for p, _, _ in bf16])
+        highs = [_high_halves(m, d) for (_, m, _), d in zip(bf16, diffs, strict=True)]
+        torch._foreach_sub_([h for h, _ in highs], [d for _, d in highs])
     # Where the master still does not round to the param (a tie; any fp16 edit), it becomes the param exactly.
-    rounded.copy_(master)
-    for m, r, p in _flat_pieces(master, rounded, param):
-        torch.where(r.view(torch.int16) == p.view(torch.int16), m, p, out=m)
-        if not master.is_contiguous():
-            master.copy_(m.view(master.shape))
+    torch._foreach_copy_([r for _, _, r in triples], [m for _, m, _ in triples])
+    for param, master, r in triples:
+        for m, r_, p in _flat_pieces(master, r, param):
+            torch.where(r_.view(torch.int16) == p.view(torch.int16), m, p, out=m)
+            if not master.is_contiguous():
+                master.copy_(m.view(master.shape))
 
 
 def _high_halves(t: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

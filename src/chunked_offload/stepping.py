@@ -20,7 +20,7 @@ from .masters import (
     MasterMode,
     decode_remainder,
     encode_remainder,
-    reconcile_master,
+    reconcile_masters,
 )
 from .planner import Chunk, TensorSpec
 from .state_table import bind
@@ -182,15 +182,15 @@ class ChunkStepper:
         txn.restores = restores
         try:
             stepped = [info for info in infos if self.adapter.grad_of(info.param) is not None]
-            for info in stepped:
-                if info.has_master:
-                    self._prepare_master(info, views[info.index])
+            mastered = [(info, views[info.index]) for info in stepped if info.has_master]
+            if mastered:
+                self._prepare_masters(mastered)
             txn.backups = [(info.param, views[info.index][BACKUP]) for info in stepped]
             if txn.backups:
                 torch._foreach_copy_([b for _, b in txn.backups], [local(p).detach() for p, _ in txn.backups])
-            for info in stepped:
-                if info.has_master:
-                    txn.swaps.append(self._swap_in_master(info, views[info.index]))
+            if mastered:
+                torch._foreach_copy_([v[GRAD32] for _, v in mastered], [local(i.param.grad) for i, _ in mastered])
+            txn.swaps += [self._swap_in_master(info, v) for info, v in mastered]
             if not fresh:
                 self._bind(infos, views)
             self.adapter.verify_bound([info.param for info in infos], self.inner.state)
@@ -199,8 +199,7 @@ class ChunkStepper:
                 self.inner_step(chunk, infos, txn)
             counters.after_chunk()
             txn.drop_extras()
-            for swap in reversed(txn.swaps):
-                self._swap_out_master(swap)
+            self._swap_out_masters(txn.swaps)
             txn.swaps.clear()
             return self.rescan(infos, views, fresh), txn
         except BaseException:
@@ -246,34 +245,35 @@ class ChunkStepper:
                 if spec.key in entry:
                     bind(entry, spec.key, like_param(views[info.index][spec.key], info.param))
 
-    def _prepare_master(self, info: ParamInfo, views: dict[str, torch.Tensor]) -> None:
-        p = local(info.param).detach()
-        master = views[MASTER]
+    def _prepare_masters(self, mastered: Sequence[tuple[ParamInfo, dict[str, torch.Tensor]]]) -> None:
+        params = [local(info.param).detach() for info, _ in mastered]
         if self.mode is MasterMode.REMAINDER:
-            decode_remainder(p, views[REMAINDER], views[TIE_BITS], master)
-        reconcile_master(p, master, rounded=views[BACKUP])
+            for p, (_, v) in zip(params, mastered, strict=True):
+                decode_remainder(p, v[REMAINDER], v[TIE_BITS], v[MASTER])
+        reconcile_masters(params, [v[MASTER] for _, v in mastered], [v[BACKUP] for _, v in mastered])
 
     def _swap_in_master(self, info: ParamInfo, views: dict[str, torch.Tensor]) -> _MasterSwap:
+        """Show the master and its fp32 grad (already cast into ``views[GRAD32]``) as the param's data and grad."""
         p = info.param
         grad = p.grad
         if grad is None:
             raise RuntimeError(f"param {info.index} has no grad; it should not have been swapped to its master")
-        grad32 = views[GRAD32]
-        grad32.copy_(local(grad))
         swap = _MasterSwap(p, p.data, grad, views)
         p.grad = None
         swap.parts = show(p, like_param(views[MASTER], p))  # a DTensor param: a DTensor over the master, placed alike
-        p.grad = like_param(grad32, p)
+        p.grad = like_param(views[GRAD32], p)
         return swap
 
-    def _swap_out_master(self, swap: _MasterSwap) -> None:
-        master = swap.views[MASTER]
-        _undo_swap(swap)
-        data = local(swap.data)
-        data.copy_(master)  # round to nearest even, exactly as `master.to(param.dtype)`
+    def _swap_out_masters(self, swaps: Sequence[_MasterSwap]) -> None:
+        for swap in reversed(swaps):
+            _undo_swap(swap)
+        datas = [local(swap.data) for swap in swaps]
+        if swaps:  # round to nearest even, exactly as `master.to(param.dtype)`
+            torch._foreach_copy_(datas, [swap.views[MASTER] for swap in swaps])
         if self.mode is MasterMode.REMAINDER:
-            v = swap.views
-            encode_remainder(master, data, v[REMAINDER], v[TIE_BITS], work=v[GRAD32])
+            for swap, data in zip(swaps, datas, strict=True):
+                v = swap.views
+                encode_remainder(v[MASTER], data, v[REMAINDER], v[TIE_BITS], work=v[GRAD32])
 
     def inner_step(self, chunk: Chunk, infos: Sequence[ParamInfo], txn: ChunkTxn) -> None:
         groups = self.inner.param_groups
