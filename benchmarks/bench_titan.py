@@ -11,6 +11,8 @@ same run:
     resident      torchtitan's AdamW in its OptimizersContainer on the same bf16 params, state on the GPU and no
                   masters: the same forward and backward, and a cheaper step than a resident fp32-master one, so
                   the share kept is a lower bound;
+    resident-masters  the same AdamW stepping resident fp32 copies of the bf16 params, each param the rounded
+                  result: the recipe the wrapper reproduces bitwise, all on the GPU (kept is against this row too);
     sync          chunked_offload.torchtitan.wrap_optimizers(container), with torchtitan's clip;
     overlap       the same with overlap=True (each compiled block gated at its boundary);
     overlap-auto  overlap=True, gpu_budget_mb="auto": what the GPU has room for stays resident;
@@ -43,7 +45,34 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Recorder, Stats, device_name, git_sha  # noqa: E402
 
-VARIANTS = ("resident", "sync", "overlap", "overlap-auto", "backward")
+VARIANTS = ("resident", "resident-masters", "sync", "overlap", "overlap-auto", "backward")
+REFERENCES = ("resident", "resident-masters")
+
+
+class ResidentMasters(torch.optim.Optimizer):
+    """An optimizer of torchtitan's container moved onto resident fp32 copies of its bf16 params: the grads are
+    cast to fp32, it steps the copies, and the params take them rounded to nearest even (as the wrapper's
+    ``master_weights="fp32"`` does, all on the GPU). An Optimizer, so that torchtitan's LR schedulers take it."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.params = [p for g in inner.param_groups for p in g["params"]]
+        self.masters = [torch.nn.Parameter(p.detach().float()) for p in self.params]
+        super().__init__(self.masters, inner.defaults)
+        by_param = dict(zip(map(id, self.params), self.masters, strict=True))
+        for group in inner.param_groups:
+            group["params"] = [by_param[id(p)] for p in group["params"]]
+        self.inner, self.param_groups, self.state = inner, inner.param_groups, inner.state
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for p, m in zip(self.params, self.masters, strict=True):
+            m.grad = None if p.grad is None else p.grad.float()
+        self.inner.step()
+        torch._foreach_copy_([p.detach() for p in self.params], [m.detach() for m in self.masters])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for t in (*self.params, *self.masters):
+            t.grad = None
 
 
 def job_config(args: argparse.Namespace, deterministic: bool) -> Any:
@@ -106,7 +135,9 @@ def make(variant: str, args: argparse.Namespace, deterministic: bool = False) ->
     from chunked_offload.torchtitan import wrap_optimizers
 
     model, optimizers = build(args, deterministic)
-    if variant != "resident":
+    if variant == "resident-masters":
+        optimizers.optimizers[:] = [ResidentMasters(o) for o in optimizers.optimizers]
+    elif variant != "resident":
         mode = variant.removesuffix("-auto")
         wrap_optimizers(
             optimizers, [model], chunk_size_mb=args.chunk_mb, num_slots=args.num_slots, master_weights="fp32",
@@ -228,20 +259,23 @@ def main() -> int:
     if not args.skip_exact:
         control = exact("sync", args)
         print(f"control: sync against itself, deterministic: {'bitwise' if control else 'DIFFERS'}")
-        for v in [v for v in variants if v not in ("resident", "sync")]:
+        for v in [v for v in variants if v not in ("resident", "sync")]:  # resident-masters too: the same recipe
             same = exact(v, args)
             ok = ok and same
             print(f"bitwise {v}: {'yes' if same else 'NO'}")
     results = {v: timed(v, args) for v in variants}
-    base = statistics.median(results["resident"][0])
-    print(f"{'variant':14s} {'s/iter':>8s} {'p20':>8s} {'p80':>8s} {'kept':>7s} {'peak GiB':>9s}")
+    bases = {r: statistics.median(results[r][0]) for r in REFERENCES if r in results}
+    print(f"{'variant':16s} {'s/iter':>8s} {'p20':>8s} {'p80':>8s}", *(f"{'kept vs ' + r:>24s}" for r in bases),
+          f"{'peak GiB':>9s}")  # fmt: skip
     for v, (seconds, peak) in results.items():
         q = statistics.quantiles(seconds, n=5) if len(seconds) > 1 else [seconds[0]] * 4
         med = statistics.median(seconds)
-        print(f"{v:14s} {med:8.4f} {q[0]:8.4f} {q[3]:8.4f} {base / med:7.1%} {peak / 2**30:9.2f}")
+        kept = [f"{base / med:24.1%}" for base in bases.values()]
+        print(f"{v:16s} {med:8.4f} {q[0]:8.4f} {q[3]:8.4f}", *kept, f"{peak / 2**30:9.2f}")
         workload = f"titan-{args.batch}x{args.seq}"
         recorder.add(workload, v, "s_per_iter", Stats(med, q[0], q[3]))
-        recorder.add(workload, v, "kept", base / med)
+        for r, base in bases.items():
+            recorder.add(workload, v, "kept" if r == "resident" else f"kept_vs_{r}", base / med)
         recorder.add(workload, v, "peak_bytes", peak)
     if args.csv is not None:
         recorder.write(args.csv)
