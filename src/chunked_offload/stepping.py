@@ -189,8 +189,7 @@ class ChunkStepper:
             if txn.backups:
                 torch._foreach_copy_([b for _, b in txn.backups], [local(p).detach() for p, _ in txn.backups])
             if mastered:
-                torch._foreach_copy_([v[GRAD32] for _, v in mastered], [local(i.param.grad) for i, _ in mastered])
-            txn.swaps += [self._swap_in_master(info, v) for info, v in mastered]
+                self._swap_in_masters(mastered, txn.swaps)
             if not fresh:
                 self._bind(infos, views)
             self.adapter.verify_bound([info.param for info in infos], self.inner.state)
@@ -252,17 +251,20 @@ class ChunkStepper:
                 decode_remainder(p, v[REMAINDER], v[TIE_BITS], v[MASTER])
         reconcile_masters(params, [v[MASTER] for _, v in mastered], [v[BACKUP] for _, v in mastered])
 
-    def _swap_in_master(self, info: ParamInfo, views: dict[str, torch.Tensor]) -> _MasterSwap:
-        """Show the master and its fp32 grad (already cast into ``views[GRAD32]``) as the param's data and grad."""
-        p = info.param
-        grad = p.grad
-        if grad is None:
-            raise RuntimeError(f"param {info.index} has no grad; it should not have been swapped to its master")
-        swap = _MasterSwap(p, p.data, grad, views)
-        p.grad = None
-        swap.parts = show(p, like_param(views[MASTER], p))  # a DTensor param: a DTensor over the master, placed alike
-        p.grad = like_param(views[GRAD32], p)
-        return swap
+    def _swap_in_masters(self, mastered: Sequence[tuple[ParamInfo, dict[str, torch.Tensor]]], swaps: list) -> None:
+        """Cast the grads to fp32, then show each master and its fp32 grad as the param's data and grad."""
+        grads = [info.param.grad for info, _ in mastered if info.param.grad is not None]
+        if len(grads) < len(mastered):
+            index = next(info.index for info, _ in mastered if info.param.grad is None)
+            raise RuntimeError(f"param {index} has no grad; it should not have been swapped to its master")
+        torch._foreach_copy_([v[GRAD32] for _, v in mastered], [local(g) for g in grads])
+        for (info, views), grad in zip(mastered, grads, strict=True):
+            p = info.param
+            swap = _MasterSwap(p, p.data, grad, views)
+            p.grad = None
+            swap.parts = show(p, like_param(views[MASTER], p))  # a DTensor param: a DTensor over the master
+            p.grad = like_param(views[GRAD32], p)
+            swaps.append(swap)  # only once it is in effect: a rollback undoes what is in the list
 
     def _swap_out_masters(self, swaps: Sequence[_MasterSwap]) -> None:
         for swap in reversed(swaps):
