@@ -79,6 +79,33 @@ def test_the_budget_keeps_the_first_params_resident_and_the_window_inside_it() -
         del opt
 
 
+class _Recording(torch.optim.AdamW):
+    """AdamW that records where each param's ``exp_avg`` was when it stepped."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        super().__init__(params)
+        self.stepped_at: dict[int, int] = {}
+
+    def step(self, closure: object = None) -> None:  # type: ignore[override]
+        super().step()
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.stepped_at[id(p)] = self.state[p]["exp_avg"].data_ptr()
+
+
+@pytest.mark.filterwarnings("ignore:no explicit adapter")
+def test_resident_chunks_step_in_their_homes_and_offloaded_ones_in_a_slot() -> None:
+    """[Note: Resident chunks step in place]: the inner steps a resident param's state where it lives between steps."""
+    params = make_params([(64, 64)] * 8)
+    window = ChunkedOffloadOptimizer(torch.optim.AdamW(params), chunk_size_mb=48 * _KIB).plan.window_bound_nbytes
+    inner = _Recording(params)
+    opt = ChunkedOffloadOptimizer(inner, chunk_size_mb=48 * _KIB, gpu_budget_mb=(window + 100 * 1024) / 2**20)
+    assert [i for c in opt.plan.resident_chunks for i in c.params] == [0, 1, 2]
+    run_steps(opt, params, 3)
+    in_home = [inner.stepped_at[id(p)] == opt.state[p]["exp_avg"].data_ptr() for p in params]
+    assert in_home == [True] * 3 + [False] * 5
+
+
 @pytest.mark.parametrize("share", [0.0, 0.3, 0.7, 1.0])
 def test_every_budget_is_bitwise_and_moves_fewer_bytes_as_it_grows(share: float) -> None:
     full = ChunkedOffloadOptimizer(torch.optim.AdamW(make_params(ODD_SHAPES)), chunk_size_mb=4 * _KIB)
