@@ -7,7 +7,9 @@ does it come to what the disk and the link allow?
 Workloads:
     disk      the disk alone: a --probe-gib file written buffered (fsync, then the page cache dropped) and as the
               tier writes (O_DIRECT where the filesystem takes it), then read back buffered (one and two reader
-              threads, as the tier reads) and with O_DIRECT.
+              threads, as the tier reads) and with O_DIRECT. Then the tier's pattern alone: up to 8 files of a
+              chunk each read, rewritten to a new file and renamed over it, one at a time, against the floor of
+              those bytes (what the disk gives the step's files, with no GPU and no overlap).
     step      fp32 matrices, fused AdamW, all state offloaded, with --shares of it on disk (0: host only). Each share
               runs in a process of its own (peak RSS is per process). Its floor is the larger of the link's (the
               bytes each way over the duplex bandwidth) and the disk's (bytes read over the read GB/s plus bytes
@@ -107,6 +109,29 @@ def probe_disk(directory: Path, nbytes: int, pin: bool) -> dict[str, float]:
     for p in (path, *paths):
         p.unlink(missing_ok=True)
     return out
+
+
+def tier_pattern(directory: Path, file_nbytes: int, files: int) -> tuple[float, int]:
+    """The tier's disk work on ``files`` chunk files, without the GPU: each read into a bounce, then written to a new
+    file and renamed over it, one after the other. Returns the seconds and the bytes of each file: what the disk
+    alone gives for the step's pattern, to hold against the floor from the probe's rates."""
+    file_nbytes -= file_nbytes % disk_io.ALIGN
+    aligned = mmap.mmap(-1, file_nbytes)
+    bounce = torch.frombuffer(aligned, dtype=torch.uint8)
+    bounce.random_(0, 255)
+    paths = [directory / f"pattern{k}.bin" for k in range(files)]
+    for path in paths:
+        path.unlink(missing_ok=True)
+        disk_io.write_new_file(path, bounce)
+    t0 = time.perf_counter()
+    for path in paths:
+        disk_io.read_file_into(path, bounce)
+        disk_io.write_new_file(path.with_suffix(".tmp"), bounce)
+        disk_io.replace_file(path.with_suffix(".tmp"), path)
+    seconds = time.perf_counter() - t0
+    for path in paths:
+        path.unlink(missing_ok=True)
+    return seconds, file_nbytes
 
 
 # ------------------------------------------------------------------------------------------------ one step variant
@@ -239,6 +264,13 @@ def main() -> int:
         print(f"link (GB/s): H2D {link.h2d / 1e9:.1f}, D2H {link.d2h / 1e9:.1f}, each way at once {duplex / 1e9:.1f}")
     written = "write (the tier's)" if args.writes == "tier" else "write buffered+fsync"
     read_bw, write_bw = disk["read buffered, 2 threads"] * 1e9, disk[written] * 1e9
+    files = max(1, min(8, int(args.probe_gib * GiB // (args.chunk_mb * MiB))))
+    seconds, nbytes = tier_pattern(args.spill_dir, int(args.chunk_mb * MiB), files)
+    pattern_floor = files * nbytes * (1 / read_bw + 1 / write_bw)
+    print(
+        f"the tier's pattern alone ({files} files of {nbytes / MiB:.0f} MiB, each read, rewritten and renamed, one "
+        f"at a time): {seconds:.3f} s, {seconds / pattern_floor:.2f}x the floor of its bytes"
+    )
     host_only = child(args, ["--one"])  # its plan sets the host budgets of the other shares
     rows, ok = [], True
     for share in (float(s) for s in args.shares.split(",")):
