@@ -43,36 +43,36 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Recorder, Stats, device_name, git_sha  # noqa: E402
+from common import Recorder, Stats, device_name, git_sha  # noqa: E402  (it puts src/ and tests/ on the path)
+from reference import ResidentMasters as MasterLoop  # noqa: E402
 
 VARIANTS = ("resident", "resident-masters", "sync", "overlap", "overlap-auto", "backward")
 REFERENCES = ("resident", "resident-masters")
 
 
 class ResidentMasters(torch.optim.Optimizer):
-    """An optimizer of torchtitan's container moved onto resident fp32 copies of its bf16 params: the grads are
-    cast to fp32, it steps the copies, and the params take them rounded to nearest even (as the wrapper's
-    ``master_weights="fp32"`` does, all on the GPU). An Optimizer, so that torchtitan's LR schedulers take it."""
+    """An optimizer of torchtitan's container moved onto resident fp32 copies of its bf16 params: the tests'
+    ``reference.ResidentMasters`` loop (the one ``master_weights="fp32"`` reproduces bitwise, all on the GPU) as an
+    Optimizer, so that torchtitan's LR schedulers take it."""
 
     def __init__(self, inner: torch.optim.Optimizer) -> None:
-        self.params = [p for g in inner.param_groups for p in g["params"]]
-        self.masters = [torch.nn.Parameter(p.detach().float()) for p in self.params]
-        super().__init__(self.masters, inner.defaults)
-        by_param = dict(zip(map(id, self.params), self.masters, strict=True))
-        for group in inner.param_groups:
-            group["params"] = [by_param[id(p)] for p in group["params"]]
-        self.inner, self.param_groups, self.state = inner, inner.param_groups, inner.state
+        params = [p for g in inner.param_groups for p in g["params"]]
 
-    @torch.no_grad()
+        def onto(masters: list[torch.Tensor]) -> torch.optim.Optimizer:
+            by_param = dict(zip(map(id, params), masters, strict=True))
+            for group in inner.param_groups:
+                group["params"] = [by_param[id(p)] for p in group["params"]]
+            return inner
+
+        self.loop = MasterLoop(params, onto)
+        super().__init__(self.loop.masters, inner.defaults)
+        self.param_groups, self.state = inner.param_groups, inner.state
+
     def step(self, closure: Any = None) -> None:
-        for p, m in zip(self.params, self.masters, strict=True):
-            m.grad = None if p.grad is None else p.grad.float()
-        self.inner.step()
-        torch._foreach_copy_([p.detach() for p in self.params], [m.detach() for m in self.masters])
+        self.loop.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for t in (*self.params, *self.masters):
-            t.grad = None
+        self.loop.zero_grad()
 
 
 def job_config(args: argparse.Namespace, deterministic: bool) -> Any:
