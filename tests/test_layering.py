@@ -24,6 +24,7 @@ ORDER = [
     "host_arena",
     "storage",
     "disk",
+    "fused",
     "masters",
     "adapters.base",
     "adapters.torch_optim",

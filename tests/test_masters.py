@@ -237,5 +237,36 @@ def test_reconcile_masters_applies_the_rule_to_each_of_a_mixed_list() -> None:
         assert torch.equal(got.contiguous().view(torch.int32), expected.view(torch.int32)), (param.dtype, param.shape)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch-ops"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_reconcile_and_back_up_applies_the_rule_and_copies_each_param(
+    device: str, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the stepper runs before each chunk's step (on CUDA the one-pass kernel where the layouts match): every
+    bit pattern of both dtypes, in several dense layouts, with backups in the param's layout and in another."""
+    from chunked_offload import masters
+
+    monkeypatch.setattr(masters, "FUSED_RECONCILE", fused)
+    cases = []
+    for dtype, shape, permute, backup_permuted in [
+        (torch.bfloat16, (2**19,), (0,), False), (torch.float16, (2**19,), (0,), False),
+        (torch.bfloat16, (64, 48), (1, 0), False), (torch.bfloat16, (64, 48), (1, 0), True),
+        (torch.float16, (4, 6, 8), (2, 0, 1), False), (torch.bfloat16, (), (), False),
+        (torch.bfloat16, (0, 3), (1, 0), False), (torch.bfloat16, (1, 5), (1, 0), False),
+    ]:  # fmt: skip
+        param, master = (t.to(device) for t in _edited_pairs(dtype))
+        n = math.prod(shape)
+        param, master = param[:n].reshape(shape), master[:n].reshape(shape)
+        expected = _edit_rule(param, master)
+        lay = (lambda t: t.permute(permute).contiguous().permute(_inverse(permute))) if permute else (lambda t: t)
+        param, master = lay(param), lay(master)
+        backup = torch.empty_like(param.contiguous() if backup_permuted else param)
+        cases.append((param, master, backup, expected))
+    masters.reconcile_and_back_up(*([c[k] for c in cases] for k in range(3)))
+    for param, got, backup, expected in cases:
+        assert torch.equal(got.contiguous().view(torch.int32), expected.view(torch.int32)), (param.dtype, param.shape)
+        assert torch.equal(backup.view(torch.int16), param.view(torch.int16))
+
+
 def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(sorted(range(len(order)), key=order.__getitem__))

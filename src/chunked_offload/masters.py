@@ -5,7 +5,8 @@ from __future__ import annotations
 import enum
 import math
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -23,6 +24,7 @@ __all__ = [
     "master_specs",
     "needs_master",
     "read_master",
+    "reconcile_and_back_up",
     "reconcile_master",
     "reconcile_masters",
     "write_master",
@@ -202,6 +204,53 @@ def reconcile_masters(
             torch.where(r_.view(torch.int16) == p.view(torch.int16), m, p, out=m)
             if not master.is_contiguous():
                 master.copy_(m.view(master.shape))
+
+
+# Whether CUDA masters reconcile through the one-pass kernel of [Note: Fused reconcile] where Triton is present (the
+# benchmarks turn it off to time the torch operations).
+FUSED_RECONCILE = True
+_fused_kernel: list[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None] = []
+
+
+def reconcile_and_back_up(
+    params: Sequence[torch.Tensor], masters: Sequence[torch.Tensor], backups: Sequence[torch.Tensor]
+) -> None:
+    """:func:`reconcile_masters` with ``backups`` as its scratch, then each param copied into its backup.
+
+    CUDA masters in their param's dense layout go through the one-pass kernel of [Note: Fused reconcile]; the rest
+    through the torch operations. Both leave the same bits, and both may be run again on what either left.
+    """
+    rest = []
+    for p, m, b in zip(params, masters, backups, strict=True):
+        kernel = _kernel() if m.is_cuda and m.numel() and FUSED_RECONCILE else None
+        if kernel is None or not (m.stride() == p.stride() == b.stride() and _is_dense(m)):
+            rest.append((p, m, b))
+            continue
+        try:
+            kernel(m, p, b)
+        except Exception as e:  # Triton without a working compiler: the torch operations, from here on
+            warnings.warn(f"chunked_offload: the fused reconcile kernel failed ({e}); using torch operations", stacklevel=2)
+            _fused_kernel[0] = None
+            rest.append((p, m, b))
+    if rest:
+        ps, ms, bs = ([t[k] for t in rest] for k in range(3))
+        reconcile_masters(ps, ms, bs)
+        torch._foreach_copy_(bs, ps)
+
+
+def _kernel() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
+    if not _fused_kernel:
+        try:
+            from .fused import reconcile_dense
+        except Exception:  # no Triton (or one that does not import)
+            reconcile_dense = None  # type: ignore[assignment]
+        _fused_kernel.append(reconcile_dense)
+    return _fused_kernel[0]
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    order = sorted(range(t.dim()), key=t.stride, reverse=True)
+    return t.permute(order).is_contiguous()
 
 
 def _high_halves(t: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

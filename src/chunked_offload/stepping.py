@@ -20,7 +20,7 @@ from .masters import (
     MasterMode,
     decode_remainder,
     encode_remainder,
-    reconcile_masters,
+    reconcile_and_back_up,
 )
 from .planner import Chunk, TensorSpec
 from .state_table import bind
@@ -184,10 +184,11 @@ class ChunkStepper:
             stepped = [info for info in infos if self.adapter.grad_of(info.param) is not None]
             mastered = [(info, views[info.index]) for info in stepped if info.has_master]
             if mastered:
-                self._prepare_masters(mastered)
+                self._prepare_masters(mastered)  # which also backs up their params
+            plain = [(local(i.param).detach(), views[i.index][BACKUP]) for i in stepped if not i.has_master]
+            if plain:
+                torch._foreach_copy_([b for _, b in plain], [p for p, _ in plain])
             txn.backups = [(info.param, views[info.index][BACKUP]) for info in stepped]
-            if txn.backups:
-                torch._foreach_copy_([b for _, b in txn.backups], [local(p).detach() for p, _ in txn.backups])
             if mastered:
                 self._swap_in_masters(mastered, txn.swaps)
             if not fresh:
@@ -249,7 +250,7 @@ class ChunkStepper:
         if self.mode is MasterMode.REMAINDER:
             for p, (_, v) in zip(params, mastered, strict=True):
                 decode_remainder(p, v[REMAINDER], v[TIE_BITS], v[MASTER])
-        reconcile_masters(params, [v[MASTER] for _, v in mastered], [v[BACKUP] for _, v in mastered])
+        reconcile_and_back_up(params, [v[MASTER] for _, v in mastered], [v[BACKUP] for _, v in mastered])
 
     def _swap_in_masters(self, mastered: Sequence[tuple[ParamInfo, dict[str, torch.Tensor]]], swaps: list) -> None:
         """Cast the grads to fp32, then show each master and its fp32 grad as the param's data and grad."""
