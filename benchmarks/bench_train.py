@@ -97,7 +97,14 @@ def main() -> int:
     parser.add_argument("--blocks", action="store_true", help="attach(model, blocks=True): a hook per decoder layer")
     parser.add_argument("--trace", type=Path, metavar="DIR", help="write a profiler trace of each variant to DIR")
     parser.add_argument("--trace-stack", action="store_true", help="the traces record Python calls too")
+    parser.add_argument(
+        "--torch-reconcile", action="store_true", help="the masters' reconcile as torch operations, not one kernel"
+    )
     args = parser.parse_args()
+    if args.torch_reconcile:
+        import chunked_offload.masters
+
+        chunked_offload.masters.FUSED_RECONCILE = False
     args.variants = tuple(v for v in args.variants.split(",") if v) + (PEERS if args.peers else ())
     known = (*VARIANTS, *AUTO, *UNCHECKED, *PEERS)
     unknown = [v for v in args.variants if v not in known]
@@ -127,7 +134,8 @@ def main() -> int:
     print(
         f"{device_name(device)}, torch {torch.__version__}, commit {git_sha()}: Llama {n_params / 1e9:.3f} B params "
         f"(hidden {args.hidden}, {args.layers} layers), seq {args.seq}, bf16 params, masters {args.master_weights}, "
-        f"chunk {args.chunk_mb:g} MB x {args.num_slots} slots, fused AdamW, clip 1.0"
+        f"chunk {args.chunk_mb:g} MB x {args.num_slots} slots, fused AdamW, clip 1.0, reconcile "
+        f"{'torch operations' if args.torch_reconcile else 'fused where Triton is present'}"
     )
     print(f"link: H2D {link.h2d / 1e9:.1f} GB/s, D2H {link.d2h / 1e9:.1f} GB/s, duplex {link.duplex / 1e9:.1f} GB/s")
 

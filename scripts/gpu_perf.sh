@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # One device call for the figures of the performance issues, with a short table at the end (about 4 minutes on the
 # H200 with --titan, 7 with --disk too; logs under $OUT):
-#   CHUNKED_OFFLOAD_SHA=$(git rev-parse --short HEAD) bash scripts/gpu_perf.sh [--titan] [--disk]
+#   CHUNKED_OFFLOAD_SHA=$(git rev-parse --short HEAD) bash scripts/gpu_perf.sh [--ab] [--titan] [--disk]
 #   bench_train  resident, the "auto" modes and in-backward at 8 and 16 x 2048, timing only, with profiler traces
 #                (trace_summary.py: GPU idle per iteration, host ms per chunk; the traces are deleted after)
+#   --ab         bench_train again with the masters' reconcile as torch operations (--torch-reconcile), untraced
 #   bench_step   AdamW on 1e9 fp32 params at 256 MB and 1 GiB chunks, checked bitwise
 #   --titan      bench_titan against resident loops with and without masters, timing only (carry .whl: torchtitan)
 #   --disk       bench_disk with 25% and 50% of the state on disk, and the tier's pattern of files alone
 # Runs with the machine's python3 and PYTHONPATH=src, as scripts/gpu_check.sh does.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-titan=0 disk=0
+titan=0 disk=0 ab=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --titan) titan=1 ;;
     --disk) disk=1 ;;
+    --ab) ab=1 ;;
     *) echo "unknown argument $1"; exit 2 ;;
   esac
   shift
@@ -35,6 +37,11 @@ python3 bench_train.py --batches 8,16 --warmup 2 --iters 5 --skip-exact --trace 
 summary+=("bench_train rc=$?")
 python3 trace_summary.py "$out/traces" > "$out/trace_summary.log" 2>&1
 rm -rf "$out/traces"
+if [ $ab -eq 1 ]; then
+  python3 bench_train.py --batches 8,16 --warmup 2 --iters 5 --skip-exact --torch-reconcile \
+    --variants resident,sync-auto,overlap-auto,backward-auto,backward > "$out/bench_train_torch_reconcile.log" 2>&1
+  summary+=("bench_train --torch-reconcile rc=$?")
+fi
 python3 bench_step.py --workloads adamw --chunks-mb 256,1024 --iters 6 > "$out/bench_step.log" 2>&1
 summary+=("bench_step rc=$?")
 if [ $titan -eq 1 ]; then
@@ -48,6 +55,8 @@ if [ $disk -eq 1 ]; then
 fi
 echo "== bench_train (kept = resident iterations/s over the variant's)"
 grep -E "^ +(tokens|[0-9]+ +[a-z-]+ +[0-9.]+)" "$out/bench_train.log"
+[ $ab -eq 1 ] && { echo "== bench_train --torch-reconcile"
+  grep -E "^ +(tokens|[0-9]+ +[a-z-]+ +[0-9.]+)" "$out/bench_train_torch_reconcile.log"; }
 echo "== trace_summary"
 cat "$out/trace_summary.log"
 echo "== bench_step"
