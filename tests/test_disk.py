@@ -5,6 +5,7 @@ optimizers."""
 
 from __future__ import annotations
 
+import copy
 import errno
 import gc
 import io
@@ -167,6 +168,46 @@ def test_the_optimizer_state_on_disk_equals_the_plain_optimizers(tmp_path: Path)
     del opt, store
     gc.collect()
     assert not directory.exists()  # the files go with the wrapper
+
+
+def _disk_opt(tmp_path: Path, params: list[torch.nn.Parameter]) -> ChunkedOffloadOptimizer:
+    probe = ChunkedOffloadOptimizer(torch.optim.AdamW(make_params(SHAPES)), chunk_size_mb=0.002)
+    return ChunkedOffloadOptimizer(
+        torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+        chunk_size_mb=0.002,
+        spill_dir=tmp_path,
+        host_budget_mb=budget_for(probe.plan, 0.9),
+    )
+
+
+def test_a_step_writes_each_chunk_into_the_blocks_of_the_generation_before(tmp_path: Path) -> None:
+    """[Note: Spare generation]: the first chunk of a step gets a new file, each later one the file the rename before
+    it replaced; between steps the directory holds the chunks' files alone."""
+    params = make_params(SHAPES)
+    opt = _disk_opt(tmp_path, params)
+    run_steps(opt, params, 2)
+    files = spill_files(tmp_path)
+    assert [f.name for f in files] == [f"chunk{c.index:05d}.bin" for c in opt.plan.disk_chunks]
+    before = [f.stat().st_ino for f in files]
+    run_steps(opt, params, 1, first_step=2)
+    after = [f.stat().st_ino for f in spill_files(tmp_path)]
+    assert after[1:] == before[:-1] and after[0] not in before  # in step order, which is the files' order here
+
+
+def test_a_state_dict_of_an_earlier_step_is_never_overwritten(tmp_path: Path) -> None:
+    """Its state tensors read the files of that step: no later write reuses their blocks (the step counts are the
+    live tensors, as in plain torch)."""
+    params, ref_params = make_params(SHAPES), make_params(SHAPES)
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1)
+    opt = _disk_opt(tmp_path, params)
+    run_steps(ref, ref_params, 2)
+    run_steps(opt, params, 2)
+    held, expected = opt.state_dict(), copy.deepcopy(ref.state_dict())
+    run_steps(opt, params, 3, first_step=2)
+    for k, entry in expected["state"].items():
+        for key, value in entry.items():
+            if value.dim():
+                assert_equal(held["state"][k][key], value)
 
 
 # ------------------------------------------------------------------------------------------------ faults

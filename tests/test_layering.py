@@ -23,6 +23,7 @@ ORDER = [
     "failures",
     "host_arena",
     "storage",
+    "disk_io",
     "disk",
     "fused",
     "masters",

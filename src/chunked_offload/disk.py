@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
 import shutil
@@ -16,11 +15,13 @@ from pathlib import Path
 
 import torch
 
+from .disk_io import ALIGN, read_file_into, replace_file, write_new_file
 from .host_arena import typed_view
-from .planner import PAGE, Chunk, Home, TensorSpec
-from .specs import whole_pages
+from .planner import Chunk, Home, TensorSpec
 
-__all__ = ["ALIGN", "DiskStats", "DiskStore", "read_file_into", "replace_file", "write_new_file"]
+__all__ = ["ALIGN", "SPARE", "DiskStats", "DiskStore", "read_file_into", "replace_file", "write_new_file"]
+
+SPARE = "spare.bin"  # [Note: Spare generation]
 
 # [Note: Disk tier]
 # With ``spill_dir`` the planner keeps on the host the offloaded chunks from the first that fit ``host_budget_mb``
@@ -28,9 +29,10 @@ __all__ = ["ALIGN", "DiskStats", "DiskStore", "read_file_into", "replace_file", 
 # ``spill_dir`` (removed with the store). A file holds the chunk's moving bytes as its host home would.
 # - A step of such a chunk reads its file into one of ``num_slots + 1`` page-locked bounce buffers, on a reader
 #   thread and ahead of the step (the store reads the disk chunks in the order the step will stage them), then
-#   copies the bounce to its slot as from the host. Its write-back lands in the bounce, which is written to a new
-#   file beside the old one (through O_DIRECT where the filesystem takes it: a bounce is whole pages from a page
-#   boundary), flushed to the disk (``fsync``), and renamed over it. Only then is the chunk committed:
+#   copies the bounce to its slot as from the host. Its write-back lands in the bounce, which is written to a file
+#   beside the old one (the spare of [Note: Spare generation], else a new one; through O_DIRECT where the
+#   filesystem takes it: a bounce is whole pages from a page boundary), flushed to the disk (``fsync``), and
+#   renamed over it. Only then is the chunk committed:
 #   a failure before the rename (a full disk, an I/O error) rolls it back as any failed chunk, and the old file is
 #   still the chunk's. A crash mid-write leaves the old file and a stray ``.tmp`` that no load reads. A first step
 #   goes the same way: the bounce holds the file's masters (and zeros), and its write-back lands there too.
@@ -41,71 +43,17 @@ __all__ = ["ALIGN", "DiskStats", "DiskStore", "read_file_into", "replace_file", 
 #   write the files, not the maps; what a placement wrote into them (the seeded masters) is flushed and dropped
 #   from memory (``trim``), so the pages the maps hold are those the caller reads.
 # The host memory the tier takes is the bounces: ``(num_slots + 1) * plan.bounce_nbytes``, in the plan's summary.
-
-
-# The tier's file I/O, one function each (the benchmarks time them; fault-injection tests replace them).
-def read_file_into(path: Path, out: torch.Tensor) -> None:
-    """Read the whole file ``path`` into the uint8 tensor ``out``."""
-    view = memoryview(out.numpy()).cast("B")  # type: ignore[arg-type]
-    with open(path, "rb", buffering=0) as f:
-        done = 0
-        while done < len(view):
-            n = f.readinto(view[done:])
-            if not n:
-                raise OSError(f"{path}: the file ends after {done} of {len(view)} bytes")
-            done += n
-        _drop_cache(f.fileno())
-
-
-ALIGN = PAGE  # O_DIRECT moves whole blocks: the buffer's address, the file offset and the length are multiples of it
-
-
-def write_new_file(path: Path, data: torch.Tensor, nbytes: int | None = None, *, direct: bool = True) -> None:
-    """Write the first ``nbytes`` (default all) of the uint8 tensor ``data`` to a new file ``path``, flushed to the
-    disk: through O_DIRECT (1.36x the buffered rate on the H200's disk) where ``data`` is whole blocks from a block
-    boundary (a bounce) and the filesystem takes it, else buffered (always, with ``direct=False``: bench_disk's A/B)."""
-    nbytes = data.numel() if nbytes is None else nbytes
-    view = memoryview(data.numpy()).cast("B")  # type: ignore[arg-type]
-    padded = whole_pages(nbytes)
-    direct = direct and hasattr(os, "O_DIRECT") and data.data_ptr() % ALIGN == 0 and len(view) >= padded
-    if not (direct and _write(path, view[:padded], nbytes, os.O_DIRECT)):
-        _write(path, view[:nbytes], nbytes, 0)
-
-
-def _write(path: Path, view: memoryview, nbytes: int, flags: int) -> bool:
-    """Write ``view`` to a new file, cut it to ``nbytes``, flush it; False, and no file, where the filesystem
-    refuses ``flags`` (EINVAL: O_DIRECT on tmpfs, or blocks larger than ``ALIGN``)."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | flags, 0o600)
-    except OSError as e:
-        if flags and e.errno == errno.EINVAL:
-            return False
-        raise
-    try:
-        done = 0
-        while done < len(view):
-            done += os.write(fd, view[done : done + 2**28])
-        os.ftruncate(fd, nbytes)  # the last block's padding goes
-        os.fsync(fd)
-        _drop_cache(fd)
-    except OSError as e:
-        if not (flags and e.errno == errno.EINVAL):
-            raise
-        path.unlink()
-        return False
-    finally:
-        os.close(fd)
-    return True
-
-
-def replace_file(source: Path, target: Path) -> None:
-    os.replace(source, target)
-
-
-def _drop_cache(fd: int) -> None:
-    """The page cache of a file the tier has read or flushed holds nothing the host budget counts on."""
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+#
+# [Note: Spare generation]
+# A new file costs the filesystem its blocks, and the one it replaces costs their release: on the CPU machine's
+# ext4, reading and rewriting eight 256 MiB files took 1.16-1.20 s with their blocks reused, 1.51-1.56 s in new
+# files (bench_disk.py's tier_pattern times it). So the generation a rename replaces stays as
+# ``spare.bin`` (a hard link made before the rename), and the next chunk's write renames the spare to its ``.tmp``
+# and overwrites it in place (no ``O_TRUNC``; cut to size at the end). One spare at most, and only within a step
+# (its end removes it): the disk holds the state and one more file of at most the largest chunk, as before, and
+# between steps the directory holds the chunks' files alone. A spare whose map is still read (a
+# ``state_dict()`` of its step, seen through a weak reference to the map) is never overwritten: its name goes,
+# and its blocks stay until its tensors are gone, as without a spare.
 
 
 @dataclass
@@ -166,6 +114,8 @@ class DiskStore:
             raise
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="chunked_offload-disk")
         self._expected: list[int] = []  # disk chunks a step will stage, in order, not yet read
+        # The previous generation of the last chunk written, and its map (dead once nothing outside reads it).
+        self._spare: weakref.ref[mmap.mmap] | None = None
 
     # ------------------------------------------------------------------ the Store interface
     @property
@@ -309,31 +259,50 @@ class DiskStore:
         self._read_ahead()
 
     def release_all(self) -> None:
-        """The step is over: every bounce is free (the caller has waited for the copies)."""
+        """The step is over: every bounce is free (the caller has waited for the copies), and no spare is kept."""
         for b in self._bounces:
             self._settle(b)
         self._expected = []
+        (self.directory / SPARE).unlink(missing_ok=True)
+        self._spare = None
 
     # ------------------------------------------------------------------ writes
     def persist(self, chunk: Chunk) -> torch.Tensor:
-        """Write the chunk's bounce (its write-back has landed) to a new file, flush it, rename it over the old one;
+        """Write the chunk's bounce (its write-back has landed) to the spare or a new file, flush it, rename it over
+        the old one (which becomes the spare);
         return the new file's map. A failure before the rename leaves the old file the chunk's."""
         bounce = next(b for b in self._bounces if b.chunk == chunk.index and b.staged)
         path = self.path(chunk.index)
-        tmp = path.with_suffix(".tmp")
+        tmp, spare = path.with_suffix(".tmp"), self.directory / SPARE
         start = time.perf_counter()
         try:
+            self._recycle(spare, tmp)
             write_new_file(tmp, bounce.buffer, chunk.transfer_nbytes)
+            os.link(path, spare)  # the generation the rename replaces stays, as the next spare
             replace_file(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
+            if spare.exists() and spare.samefile(path):
+                spare.unlink()
             raise
         self.stats.write_seconds += time.perf_counter() - start
         self.stats.written_nbytes += chunk.transfer_nbytes
         self._settle(bounce)
+        old = self._mmaps.pop(chunk.index, None)
+        self._spare = None if old is None else weakref.ref(old)
         self._maps[chunk.index] = self._map(chunk.index)
         self._read_ahead()
         return self._maps[chunk.index]
+
+    def _recycle(self, spare: Path, tmp: Path) -> None:
+        """[Note: Spare generation]: the spare becomes ``tmp``, for its blocks, unless a map of it is still read."""
+        if not spare.exists():
+            return
+        if self._spare is not None and self._spare() is not None:
+            spare.unlink()  # a state_dict() of that step still reads it: its blocks stay until its tensors are gone
+        else:
+            os.replace(spare, tmp)
+        self._spare = None
 
     def close(self) -> None:
         pool = getattr(self, "_pool", None)
