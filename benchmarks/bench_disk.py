@@ -8,8 +8,9 @@ Workloads:
     disk      the disk alone: a --probe-gib file written buffered (fsync, then the page cache dropped) and as the
               tier writes (O_DIRECT where the filesystem takes it), then read back buffered (one and two reader
               threads, as the tier reads) and with O_DIRECT. Then the tier's pattern alone: up to 8 files of a
-              chunk each read, rewritten to a new file and renamed over it, one at a time, against the floor of
-              those bytes (what the disk gives the step's files, with no GPU and no overlap).
+              chunk each read, rewritten (into the blocks of the generation the previous rename replaced, as the
+              tier does: [Note: Spare generation]) and renamed over it, one at a time, against the floor of those
+              bytes (what the disk gives the step's files, with no GPU and no overlap).
     step      fp32 matrices, fused AdamW, all state offloaded, with --shares of it on disk (0: host only). Each share
               runs in a process of its own (peak RSS is per process). Its floor is the larger of the link's (the
               bytes each way over the duplex bandwidth) and the disk's (bytes read over the read GB/s plus bytes
@@ -112,9 +113,9 @@ def probe_disk(directory: Path, nbytes: int, pin: bool) -> dict[str, float]:
 
 
 def tier_pattern(directory: Path, file_nbytes: int, files: int) -> tuple[float, int]:
-    """The tier's disk work on ``files`` chunk files, without the GPU: each read into a bounce, then written to a new
-    file and renamed over it, one after the other. Returns the seconds and the bytes of each file: what the disk
-    alone gives for the step's pattern, to hold against the floor from the probe's rates."""
+    """The tier's disk work on ``files`` chunk files, without the GPU: each read into a bounce, then written into the
+    spare's blocks and renamed over it, one after the other. Returns the seconds and the bytes of each file: what the
+    disk alone gives for the step's pattern, to hold against the floor from the probe's rates."""
     file_nbytes -= file_nbytes % disk_io.ALIGN
     aligned = mmap.mmap(-1, file_nbytes)
     bounce = torch.frombuffer(aligned, dtype=torch.uint8)
@@ -123,11 +124,17 @@ def tier_pattern(directory: Path, file_nbytes: int, files: int) -> tuple[float, 
     for path in paths:
         path.unlink(missing_ok=True)
         disk_io.write_new_file(path, bounce)
+    spare = directory / disk_io.SPARE
     t0 = time.perf_counter()
     for path in paths:
         disk_io.read_file_into(path, bounce)
-        disk_io.write_new_file(path.with_suffix(".tmp"), bounce)
-        disk_io.replace_file(path.with_suffix(".tmp"), path)
+        tmp = path.with_suffix(".tmp")
+        if spare.exists():
+            os.replace(spare, tmp)
+        disk_io.write_new_file(tmp, bounce)
+        os.link(path, spare)
+        disk_io.replace_file(tmp, path)
+    spare.unlink()  # as at a step's end
     seconds = time.perf_counter() - t0
     for path in paths:
         path.unlink(missing_ok=True)

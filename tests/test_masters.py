@@ -258,14 +258,18 @@ def test_reconcile_and_back_up_applies_the_rule_and_copies_each_param(
         n = math.prod(shape)
         param, master = param[:n].reshape(shape), master[:n].reshape(shape)
         expected = _edit_rule(param, master)
-        lay = (lambda t: t.permute(permute).contiguous().permute(_inverse(permute))) if permute else (lambda t: t)
-        param, master = lay(param), lay(master)
+        param, master = _laid_out(param, permute), _laid_out(master, permute)
         backup = torch.empty_like(param.contiguous() if backup_permuted else param)
         cases.append((param, master, backup, expected))
     masters.reconcile_and_back_up(*([c[k] for c in cases] for k in range(3)))
     for param, got, backup, expected in cases:
         assert torch.equal(got.contiguous().view(torch.int32), expected.view(torch.int32)), (param.dtype, param.shape)
         assert torch.equal(backup.view(torch.int16), param.view(torch.int16))
+
+
+def _laid_out(t: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """``t``'s values in the dense layout whose memory order is ``order`` (``t`` itself for a 0-dim tensor)."""
+    return t.permute(order).contiguous().permute(_inverse(order)) if order else t
 
 
 def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ _BLOCK = 2048
 
 
 @triton.jit
-def _reconcile_kernel(master_ptr, param_ptr, backup_ptr, n, BF16: tl.constexpr, BLOCK: tl.constexpr):
+def _reconcile_kernel(master_ptr, param_ptr, backup_ptr, n, BF16: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < n
     stored = tl.load(master_ptr + offsets, mask=inside).to(tl.uint32, bitcast=True)

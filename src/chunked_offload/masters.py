@@ -229,7 +229,7 @@ def reconcile_and_back_up(
         try:
             kernel(m, p, b)
         except Exception as e:  # Triton without a working compiler: the torch operations, from here on
-            warnings.warn(f"chunked_offload: the fused reconcile kernel failed ({e}); using torch operations", stacklevel=2)
+            warnings.warn(f"chunked_offload: the fused reconcile failed ({e}); using torch operations", stacklevel=2)
             _fused_kernel[0] = None
             rest.append((p, m, b))
     if rest:
