@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import torch
 
 from .planner import Role, TensorSpec, dense_spec
+from .specs import is_dense
 
 __all__ = [
     "GRAD32",
@@ -223,7 +224,7 @@ def reconcile_and_back_up(
     rest = []
     for p, m, b in zip(params, masters, backups, strict=True):
         kernel = _kernel() if m.is_cuda and m.numel() and FUSED_RECONCILE else None
-        if kernel is None or not (m.stride() == p.stride() == b.stride() and _is_dense(m)):
+        if kernel is None or not (m.stride() == p.stride() == b.stride() and is_dense(m)):
             rest.append((p, m, b))
             continue
         try:
@@ -246,11 +247,6 @@ def _kernel() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | No
             reconcile_dense = None  # type: ignore[assignment]
         _fused_kernel.append(reconcile_dense)
     return _fused_kernel[0]
-
-
-def _is_dense(t: torch.Tensor) -> bool:
-    order = sorted(range(t.dim()), key=t.stride, reverse=True)
-    return t.permute(order).is_contiguous()
 
 
 def _high_halves(t: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

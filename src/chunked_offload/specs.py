@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ALIGNMENT", "PAGE", "Bundle", "Role", "TensorSpec", "align", "dense_spec", "whole_pages"]
+__all__ = ["ALIGNMENT", "PAGE", "Bundle", "Role", "TensorSpec", "align", "dense_spec", "is_dense", "whole_pages"]
 
 # Every tensor starts on a 256-byte boundary inside a chunk: enough for any dtype view and for the
 # 16-byte vector loads that fused kernels (torch, Transformer Engine) issue on raw pointers.
@@ -75,6 +75,20 @@ class TensorSpec:
     @property
     def padded_nbytes(self) -> int:
         return align(self.nbytes)
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers exactly ``numel`` consecutive elements in some dimension order (no gaps, no overlap)."""
+    if t.layout != torch.strided:
+        return False
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def dense_spec(key: str, role: Role, like: torch.Tensor, dtype: torch.dtype) -> TensorSpec:

@@ -8,22 +8,9 @@ from typing import Any
 import torch
 
 from ..planner import Role, TensorSpec, dense_spec
+from ..specs import is_dense
 
 __all__ = ["Adapter", "KeyedAdapter", "hparams_signature", "is_dense", "spec_of"]
-
-
-def is_dense(t: torch.Tensor) -> bool:
-    """Whether ``t`` covers exactly ``numel`` consecutive elements in some dimension order (no gaps, no overlap)."""
-    if t.layout != torch.strided:
-        return False
-    expected = 1
-    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda d: d[1]):
-        if size == 1:
-            continue
-        if stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def spec_of(key: str, t: torch.Tensor) -> TensorSpec:
