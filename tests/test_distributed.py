@@ -6,6 +6,7 @@ tests/cuda/test_distributed_cuda.py runs FSDP2 with NCCL on one GPU.
 from __future__ import annotations
 
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ import torch.multiprocessing as mp
 import dist_cases
 
 WORLD = 2
+_TEARDOWN_S = 30.0  # after every rank reported
+_HUNG_S = 600.0
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 
@@ -27,9 +30,31 @@ def _free_port() -> int:
 
 
 def _spawn(fn: Any, *args: Any, world: int = WORLD) -> dict[int, Any]:
+    """Run ``fn`` in ``world`` ranks; each reports into the returned dict before it tears its process group down.
+
+    gloo's teardown can deadlock in torch: the process group's destructor joins its worker thread while holding
+    the GIL, and that thread waits for the GIL to release the last work it ran. A rank that has reported and is
+    still alive ``_TEARDOWN_S`` later is stuck there and is killed; a rank that has not reported by ``_HUNG_S``
+    fails the test.
+    """
     with mp.Manager() as manager:
         result = manager.dict()
-        mp.spawn(fn, args=(world, _free_port(), "gloo", *args, result), nprocs=world, join=True)
+        ctx = mp.start_processes(
+            fn, args=(world, _free_port(), "gloo", *args, result), nprocs=world, join=False, start_method="spawn"
+        )
+        start, reported = time.monotonic(), None
+        while not ctx.join(timeout=1.0):
+            now = time.monotonic()
+            if reported is None and len(result) == world:
+                reported = now
+            stuck = reported is not None and now - reported > _TEARDOWN_S
+            if stuck or now - start > _HUNG_S:
+                for process in ctx.processes:
+                    process.kill()
+                    process.join()
+                if not stuck:
+                    pytest.fail(f"{fn.__name__}: ranks {sorted(set(range(world)) - set(result))} hung")
+                break
         return dict(result)
 
 
