@@ -17,7 +17,8 @@ same run:
     overlap       the same with overlap=True (each compiled block gated at its boundary);
     overlap-auto  overlap=True, gpu_budget_mb="auto": what the GPU has room for stays resident;
     backward      step_in_backward=True, without the clip (with it, the first step() refuses: test_torchtitan.py).
-Reported: s/iter (median of the timed iterations, p20/p80), the share of the resident iterations/s kept, and the peak
+Reported: s/iter (median of the timed iterations, run back to back as torchtitan's trainer runs them, so that an
+overlapped step runs under the next forward; p20/p80), the share of the resident iterations/s kept, and the peak
 memory. The bitwise check runs each variant for a few steps in deterministic mode (torchtitan's debug.deterministic)
 against the synchronous wrapper with the same clip choice (bf16 shards with fp32 masters are another recipe than
 FSDP2's fp32 shards; tests/ check the wrapper against plain fp32-master loops), and that against itself as the
@@ -171,6 +172,12 @@ def batches(args: argparse.Namespace, count: int, device: torch.device) -> list[
     ]
 
 
+def wait_steps(optimizers: Any) -> None:
+    for opt in getattr(optimizers, "optimizers", []):
+        if hasattr(opt, "wait_step"):
+            opt.wait_step()
+
+
 def timed(variant: str, args: argparse.Namespace) -> tuple[list[float], int]:
     model, optimizers, schedulers = make(variant, args)
     device = next(model.parameters()).device
@@ -178,19 +185,19 @@ def timed(variant: str, args: argparse.Namespace) -> tuple[list[float], int]:
     clip = variant != "backward"
     for tokens in data[: args.warmup]:
         train_step(model, optimizers, schedulers, tokens, clip)
+    wait_steps(optimizers)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    seconds = []
-    for tokens in data[args.warmup :]:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    marks = []
+    for tokens in data[args.warmup :]:  # back to back, as torchtitan's trainer runs them: a step overlaps the forward
+        marks.append(torch.cuda.Event(enable_timing=True))
+        marks[-1].record()
         train_step(model, optimizers, schedulers, tokens, clip)
-        for opt in getattr(optimizers, "optimizers", []):
-            if hasattr(opt, "wait_step"):
-                opt.wait_step()
-        end.record()
-        torch.cuda.synchronize()
-        seconds.append(start.elapsed_time(end) / 1e3)
+    wait_steps(optimizers)  # the last step's updates are part of its iteration
+    marks.append(torch.cuda.Event(enable_timing=True))
+    marks[-1].record()
+    torch.cuda.synchronize()
+    seconds = [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:], strict=False)]
     peak = torch.cuda.max_memory_allocated()
     del model, optimizers, schedulers
     gc.collect()
