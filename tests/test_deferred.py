@@ -95,6 +95,36 @@ def test_a_deferred_step_enqueues_its_later_chunks_as_the_forward_reaches_them()
     assert_pair_equal(ref, ref_params, opt, params)
 
 
+def test_resident_chunks_step_inside_step_and_only_offloaded_ones_are_deferred() -> None:
+    """Resident chunks have no transfer for the forward to hide: step() runs them all, before any offloaded one."""
+    ref_params, params = make_params([(16, 16)] * 12), make_params([(16, 16)] * 12)
+    ref = torch.optim.AdamW(ref_params, lr=1e-2)
+    inner = torch.optim.AdamW(params, lr=1e-2)
+    opt = ChunkedOffloadOptimizer(inner, chunk_size_mb=4 * _KIB, overlap=True, offload_fraction=0.25)
+    chain = Chain(params)
+    opt.attach(chain)
+    homes = [c.home.value for c in opt.plan.all_chunks]
+    resident = [i for c in opt.plan.all_chunks if c.home.value == "device" for i in c.params]
+    assert homes.count("device") > opt.num_slots and "host" in homes
+    run_steps(ref, ref_params, 2)
+    run_steps(opt, params, 1)
+    chain()
+    set_grads(params, make_grads(params, 1))
+    opt.step()
+    run = internals(opt).schedule.deferred
+    assert run is not None and all(c.home.value == "host" for c in run.chunks[run.next :])
+    for i in resident:  # updated when step() returns, before the forward asks for them
+        assert_equal(ref_params[i], params[i], f"param {i}")
+    opt.zero_grad(set_to_none=True)
+    chain()
+    run_steps(ref, ref_params, 1, first_step=2)
+    set_grads(params, make_grads(params, 2))
+    opt.step()
+    chain()
+    opt.zero_grad()
+    assert_pair_equal(ref, ref_params, opt, params)
+
+
 def test_a_step_with_fewer_chunks_than_slots_enqueues_them_all() -> None:
     params, ref_params = make_params([(16, 16)] * 3), make_params([(16, 16)] * 3)
     opt = ChunkedOffloadOptimizer(torch.optim.AdamW(params, lr=1e-2), chunk_size_mb=1.0, overlap=True, num_slots=3)

@@ -16,7 +16,7 @@ from .context import GroupCounters, OpenStep
 from .failures import note_failure
 from .inputs import OwnedGrads, ParamWatch
 from .pipeline import ChunkPipeline, Event, Pending
-from .planner import Chunk
+from .planner import Chunk, Home
 from .telemetry import CHUNK_SCOPE, StepRecord
 
 __all__ = ["ReadOrder", "StepSchedule"]
@@ -110,8 +110,12 @@ class StepSchedule:
     without waiting for the caller's stream again. Its grads are the step's own copies, and its params must not have
     been written since ``step()`` ([Note: Inputs of a step] in inputs.py). A step does not defer on its first step
     (fresh state), with GradScaler's tensors, with step post-hooks, without an attached model, or when the inner keeps
-    counters in its groups (seen after the first chunk). Chunks with a param that no attached forward waits for
-    (*eager* chunks, first in the order) are never deferred.
+    counters in its groups (seen after the first chunk). *Eager* chunks, first in the order, are never deferred: those
+    with a param that no attached forward waits for, and resident ones. A resident chunk moves nothing over the link,
+    so under the forward its kernels would only share the device with the forward's; inside ``step()`` it runs alone,
+    as in the synchronous step, and the caller's stream waits for it. Nor are its grads copied. (bench_train on the
+    H200, all state resident, two runs: 97.5-98.0% of the resident iterations/s kept at 8 x 2048, 98.4-98.9% at 16;
+    deferred, 95.4-98.9% and 97.4-99.4%.)
 
     On failure the pipeline aborts (the failing chunk is rolled back, or forward), and the exception propagates with
     a note that says which chunks were committed. Chunks after the failing one are untouched: their H2D only read
@@ -254,8 +258,11 @@ class StepSchedule:
         chunks.sort(key=lambda c: not self.eager(c))  # stable: the eager chunks first, in that order
 
     def eager(self, chunk: Chunk) -> bool:
-        """Whether a param of ``chunk`` with a grad is read by no attached forward that waits for it: one no gate
-        holds, or one the last forward did not ask for ([Note: Deferred chunks])."""
+        """Whether ``chunk`` steps inside ``step()`` ([Note: Deferred chunks]): it is resident, or a param of it with a
+        grad is read by no attached forward that waits for it (one no gate holds, or one the last forward did not ask
+        for)."""
+        if chunk.home is Home.DEVICE:
+            return True
         gated = {id(p) for params in self.pipeline.gate.gated.values() for p in params}
         read = self.reads.last
         return any(
