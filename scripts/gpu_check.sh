@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
 # One device call: every cuda-marked test, the example and the benchmarks, with a short table at the end.
-#   bash scripts/gpu_check.sh [--quick] [--no-tests] [--sanitize] [--bench NAME ...]
+#   bash scripts/gpu_check.sh [--quick] [--no-tests] [--shard K/N] [--sanitize] [--bench NAME ...]
 # Runs with the machine's python3 and PYTHONPATH=src (no virtualenv, no install): what the GPU image has.
 # Wheels carried in .whl/ (see the device README) are installed into /tmp/site first; Transformer Engine staged
 # with ../shared/gpu/te-prepare.sh is picked up from /tmp/te-site when present.
 #   --quick     tests only (no example, no benchmarks)
 #   --no-tests  skip the cuda tier (for a second call that runs the benchmarks)
+#   --shard K/N run the K-th of N shards of the cuda tier (round-robin over the collected tests): the whole tier
+#               took 438-600 s in one call, and a call stops at 600 s, so two calls with 1/2 and 2/2 are safer
 #   --sanitize  also run compute-sanitizer (memcheck and synccheck) over the cuda tier, last (see below)
 #   --bench X   run benchmarks/X.py (repeatable); default: bench_step
 set -uo pipefail
 cd "$(dirname "$0")/.."
-quick=0 tests=1 sanitize=0 benches=()
+quick=0 tests=1 sanitize=0 benches=() tier_shard=1/1
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) quick=1 ;;
     --no-tests) tests=0 ;;
     --sanitize) sanitize=1 ;;
+    --shard) shift; tier_shard=$1 ;;
     --bench) shift; benches+=("$1") ;;
     *) echo "unknown argument $1"; exit 2 ;;
   esac
@@ -42,7 +45,10 @@ export CHUNKED_OFFLOAD_SHA=${CHUNKED_OFFLOAD_SHA:-unknown}
 
 summary=()
 if [ $tests -eq 1 ]; then
-  python3 -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tee "$out/pytest_cuda.log" | tail -n 40
+  mapfile -t tier < <(python3 -m pytest --collect-only -q -m cuda -p no:cacheprovider tests 2>/dev/null \
+    | grep '::' | awk -v n="${tier_shard#*/}" -v k="${tier_shard%/*}" '(NR - 1) % n == k - 1')
+  echo "cuda tier, shard $tier_shard: ${#tier[@]} tests"
+  python3 -m pytest -q -m cuda -p no:cacheprovider "${tier[@]}" 2>&1 | tee "$out/pytest_cuda.log" | tail -n 40
   summary+=("cuda tests rc=${PIPESTATUS[0]}: $(tail -n 1 "$out/pytest_cuda.log")")
 fi
 
