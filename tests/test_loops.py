@@ -170,6 +170,27 @@ def test_params_written_in_place_between_step_and_forward_are_refused(master: st
     same_loop("overlap", master, after_step=clip)
 
 
+@pytest.mark.parametrize("master", MASTERS)
+def test_resident_params_written_right_after_an_overlapped_step_follow_its_update(master: str) -> None:
+    """Resident chunks step inside step() ([Note: Deferred chunks]), so weight clipping of their params needs no
+    wait_step(): it comes after their update, as in the plain loop."""
+    probe = build("overlap", master, offload_fraction=0.5)[1]
+    chunks = probe.plan.all_chunks
+    resident = {i for c in chunks if c.home.value == "device" for i in c.params}
+    assert resident and sum(c.home.value == "host" for c in chunks) > probe.num_slots  # and deferred ones
+
+    def clip(i: int, m: torch.nn.Module, o: Any) -> None:
+        with torch.no_grad():
+            for k, p in enumerate(m.parameters()):
+                if k in resident:
+                    p.clamp_(-0.1, 0.1)
+
+    plain, wrapped = build("plain", master), build("overlap", master, offload_fraction=0.5)
+    train(*plain, range(4), after_step=clip)
+    train(*wrapped, range(4), after_step=clip)
+    assert_same(plain[0], wrapped[0])
+
+
 # ---------------------------------------------------------------------------------------------- cases 3, 4 and 14
 def _replace(i: int, model: torch.nn.Module, opt: Any) -> None:
     for p in model.parameters():
