@@ -43,10 +43,17 @@ export CHUNKED_OFFLOAD_SHA=${CHUNKED_OFFLOAD_SHA:-unknown}
   python3 -c "import emerging_optimizers as e; print('emerging_optimizers', e.__version__)" 2>&1 | tail -n 1
 } 2>&1 | tee "$out/machine.txt"
 
+cuda_ids() {  # the node ids of the cuda-marked tests under $@, one a line
+  python3 -m pytest --collect-only -q -m cuda -p no:cacheprovider "$@" 2>/dev/null | grep '::'
+}
+shard_of() {  # shard K (from 0) of N, round-robin over the ids in FILE: shard_of FILE N K
+  awk -v n="$2" -v k="$3" '(NR - 1) % n == k' "$1"
+}
+
 summary=()
 if [ $tests -eq 1 ]; then
-  mapfile -t tier < <(python3 -m pytest --collect-only -q -m cuda -p no:cacheprovider tests 2>/dev/null \
-    | grep '::' | awk -v n="${tier_shard#*/}" -v k="${tier_shard%/*}" '(NR - 1) % n == k - 1')
+  cuda_ids tests > "$out/cuda_ids.txt"
+  mapfile -t tier < <(shard_of "$out/cuda_ids.txt" "${tier_shard#*/}" $((${tier_shard%/*} - 1)))
   echo "cuda tier, shard $tier_shard: ${#tier[@]} tests"
   python3 -m pytest -q -m cuda -p no:cacheprovider "${tier[@]}" 2>&1 | tee "$out/pytest_cuda.log" | tail -n 40
   summary+=("cuda tests rc=${PIPESTATUS[0]}: $(tail -n 1 "$out/pytest_cuda.log")")
@@ -71,14 +78,13 @@ if [ $sanitize -eq 1 ]; then
   # shards (default 3, round-robin over the collected tests), every tool and shard at once, spread round-robin over
   # the visible GPUs. On the one-GPU H200 (16 cores) the six processes took 466 s at most (0eb731e).
   ids="$out/sanitize_ids.txt"
-  python3 -m pytest --collect-only -q -m cuda -p no:cacheprovider ${SANITIZE_FILES:-tests} 2>/dev/null \
-    | grep '::' > "$ids"
+  cuda_ids ${SANITIZE_FILES:-tests} > "$ids"
   gpus=$(python3 -c "import torch; print(max(1, torch.cuda.device_count()))")
   shards=${SANITIZE_SHARDS:-3} job=0 logs=()
   for tool in ${SANITIZE_TOOLS:-memcheck synccheck}; do
     for ((shard = 0; shard < shards; shard++)); do
       log="$out/sanitizer_${tool}_${shard}of${shards}.log"
-      mapfile -t mine < <(awk -v n="$shards" -v k="$shard" '(NR - 1) % n == k' "$ids")
+      mapfile -t mine < <(shard_of "$ids" "$shards" "$shard")
       CUDA_VISIBLE_DEVICES=$((job % gpus)) CHUNKED_OFFLOAD_UNDER_SANITIZER=1 timeout "${SANITIZE_TIMEOUT:-540}" \
         compute-sanitizer --tool "$tool" --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider "${mine[@]}" \
         > "$log" 2>&1 &
