@@ -100,7 +100,16 @@ def main() -> int:
     parser.add_argument(
         "--torch-reconcile", action="store_true", help="the masters' reconcile as torch operations, not one kernel"
     )
+    parser.add_argument(
+        "--rollback-copy",
+        action="store_true",
+        help="resident chunks copy their homes for rollback, as before one-op updates",
+    )
     args = parser.parse_args()
+    if args.rollback_copy:
+        import chunked_offload.stepping
+
+        chunked_offload.stepping.ONE_OP_UPDATES = False
     if args.torch_reconcile:
         import chunked_offload.masters
 
@@ -135,7 +144,8 @@ def main() -> int:
         f"{device_name(device)}, torch {torch.__version__}, commit {git_sha()}: Llama {n_params / 1e9:.3f} B params "
         f"(hidden {args.hidden}, {args.layers} layers), seq {args.seq}, bf16 params, masters {args.master_weights}, "
         f"chunk {args.chunk_mb:g} MB x {args.num_slots} slots, fused AdamW, clip 1.0, reconcile "
-        f"{'torch operations' if args.torch_reconcile else 'fused where Triton is present'}"
+        f"{'torch operations' if args.torch_reconcile else 'fused where Triton is present'}, resident chunks "
+        f"{'copied for rollback' if args.rollback_copy else 'updated in one op without a copy where they can be'}"
     )
     print(f"link: H2D {link.h2d / 1e9:.1f} GB/s, D2H {link.d2h / 1e9:.1f} GB/s, duplex {link.duplex / 1e9:.1f} GB/s")
 

@@ -4,7 +4,8 @@
 #   CHUNKED_OFFLOAD_SHA=$(git rev-parse --short HEAD) bash scripts/gpu_perf.sh [--ab] [--titan] [--disk]
 #   bench_train  resident, the "auto" modes and in-backward at 8 and 16 x 2048, timing only, with profiler traces
 #                (trace_summary.py: GPU idle per iteration, host ms per chunk; the traces are deleted after)
-#   --ab         bench_train again with the masters' reconcile as torch operations (--torch-reconcile), untraced
+#   --ab         bench_train again with resident chunks copied for rollback (--rollback-copy, the code before
+#                one-op updates), untraced, then the one-op run again untraced: A, B, A on one machine
 #   bench_step   AdamW on 1e9 fp32 params at 256 MB and 1 GiB chunks, checked bitwise
 #   --titan      bench_titan against resident loops with and without masters, timing only (carry .whl: torchtitan)
 #   --disk       bench_disk with 25% and 50% of the state on disk, and the tier's pattern of files alone
@@ -38,9 +39,12 @@ summary+=("bench_train rc=$?")
 python3 trace_summary.py "$out/traces" > "$out/trace_summary.log" 2>&1
 rm -rf "$out/traces"
 if [ $ab -eq 1 ]; then
-  python3 bench_train.py --batches 8,16 --warmup 2 --iters 5 --skip-exact --torch-reconcile \
-    --variants resident,sync-auto,overlap-auto,backward-auto,backward > "$out/bench_train_torch_reconcile.log" 2>&1
-  summary+=("bench_train --torch-reconcile rc=$?")
+  python3 bench_train.py --batches 8,16 --warmup 2 --iters 5 --skip-exact --rollback-copy \
+    --variants resident,sync-auto,overlap-auto,backward-auto > "$out/bench_train_rollback_copy.log" 2>&1
+  summary+=("bench_train --rollback-copy rc=$?")
+  python3 bench_train.py --batches 8,16 --warmup 2 --iters 5 --skip-exact \
+    --variants resident,sync-auto,overlap-auto,backward-auto > "$out/bench_train_one_op.log" 2>&1
+  summary+=("bench_train one-op, untraced rc=$?")
 fi
 python3 bench_step.py --workloads adamw --chunks-mb 256,1024 --iters 6 > "$out/bench_step.log" 2>&1
 summary+=("bench_step rc=$?")
@@ -55,8 +59,8 @@ if [ $disk -eq 1 ]; then
 fi
 echo "== bench_train (kept = resident iterations/s over the variant's)"
 grep -E "^ +(tokens|[0-9]+ +[a-z-]+ +[0-9.]+)" "$out/bench_train.log"
-[ $ab -eq 1 ] && { echo "== bench_train --torch-reconcile"
-  grep -E "^ +(tokens|[0-9]+ +[a-z-]+ +[0-9.]+)" "$out/bench_train_torch_reconcile.log"; }
+[ $ab -eq 1 ] && for run in rollback_copy one_op; do echo "== bench_train, $run"
+  grep -E "^ +(tokens|[0-9]+ +[a-z-]+ +[0-9.]+)" "$out/bench_train_$run.log"; done
 echo "== trace_summary"
 cat "$out/trace_summary.log"
 echo "== bench_step"

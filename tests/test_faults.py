@@ -36,12 +36,17 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "adamw-fp32-masters": {"master_weights": "fp32"},
     "adamw-remainder": {"master_weights": "remainder"},
     "sgd-momentum": {},
+    # Fused AdamW updates a resident chunk in one op: no copy of its homes ([Note: One-op updates]).
+    "adamw-fused-resident": {"offload_fraction": 0.0},
+    "adamw-fused-resident-masters": {"offload_fraction": 0.5, "master_weights": "fp32"},
 }
 
 
 def _inner(config: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     if config.startswith("sgd"):
         return torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True)
+    if "fused" in config:
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
 
 
@@ -74,6 +79,7 @@ def _fault(monkeypatch: pytest.MonkeyPatch, point: str, target: int) -> Iterator
     calls = {"n": 0}
 
     def wrap(cls: Any, name: str, kind: str, after: bool = False, counted: bool = True) -> None:
+        """Patch ``cls.name`` so that its ``target``-th call raises ``kind``, before running or ``after`` it."""
         original = getattr(cls, name)
 
         def patched(*args: Any, **kwargs: Any) -> Any:
@@ -97,6 +103,10 @@ def _fault(monkeypatch: pytest.MonkeyPatch, point: str, target: int) -> Iterator
         wrap(ChunkStepper, "inner_step", "interrupt", after=True)
     elif point == "before-write-back":
         wrap(ChunkStepper, "rescan", "interrupt")
+    elif point == "update-before":  # inside the inner's step, just before its update op
+        wrap(torch, "_fused_adamw_", "interrupt")
+    elif point == "update-after":  # inside the inner's step, right after its update op returned
+        wrap(torch, "_fused_adamw_", "interrupt", after=True)
     elif point == "write-back":
         wrap(TransferEngine, "write_back", "interrupt")
     elif point == "h2d":
@@ -132,6 +142,8 @@ POINTS = [
     "inner-before",
     "inner-after",
     "inner-interrupt",
+    "update-before",
+    "update-after",
     "before-write-back",
     "write-back",
     "h2d",
@@ -149,6 +161,8 @@ def test_a_failed_step_commits_whole_chunks_and_a_retry_matches(
 ) -> None:
     if (point == "fresh-alloc") != (step == "first") and point in ("fresh-alloc", "h2d", "slots"):
         pytest.skip("fresh chunks allocate their own memory; staged chunks take slots and an H2D")
+    if point.startswith("update") and "fused" not in config:
+        pytest.skip("only fused AdamW calls torch._fused_adamw_")
     dtype = _dtype(config)
     params = make_params(SHAPES, dtype)
     opt = _wrap(config, params)
@@ -198,7 +212,7 @@ def _assert_same(ref: Any, ref_params: list[torch.nn.Parameter], opt: Any, param
 
 
 @pytest.mark.parametrize("target", [2, -1], ids=["first-deferred", "last"])
-@pytest.mark.parametrize("point", [p for p in POINTS if p not in ("fresh-alloc", "slots")])
+@pytest.mark.parametrize("point", [p for p in POINTS if p not in ("fresh-alloc", "slots") and "update" not in p])
 @pytest.mark.parametrize("config", ["adamw", "adamw-fp32-masters", "sgd-momentum"])
 def test_a_deferred_chunk_that_fails_in_the_forward_commits_whole_chunks(
     monkeypatch: pytest.MonkeyPatch, config: str, point: str, target: int

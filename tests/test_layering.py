@@ -42,6 +42,7 @@ ORDER = [
     "staging",
     "transfer",
     "telemetry",
+    "transaction",
     "stepping",
     "gate",
     "phase",
@@ -252,10 +253,11 @@ TEST_FILES = sorted(p for p in TESTS.rglob("*.py") if p.name not in ("reference.
 
 
 # Private names of other projects that tests read on purpose: torch's module hook tables and its dynamo, the AMP
-# protocol flag, ``torch.cuda._sleep`` (a GPU busy-wait), TE's per-tensor scales, accelerate's state reset.
+# protocol flag, ``torch.cuda._sleep`` (a GPU busy-wait), TE's per-tensor scales, accelerate's state reset, torch's
+# fused AdamW op (patched to fail around a one-op update).
 FOREIGN_PRIVATE = {
     "_dynamo", "_forward_hooks", "_forward_pre_hooks", "_load_state_dict_pre_hooks", "_state_dict_pre_hooks",
-    "_step_supports_amp_scaling", "_sleep", "_scales", "_reset_state",
+    "_step_supports_amp_scaling", "_sleep", "_scales", "_reset_state", "_fused_adamw_",
 }  # fmt: skip
 
 

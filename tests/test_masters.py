@@ -237,10 +237,11 @@ def test_reconcile_masters_applies_the_rule_to_each_of_a_mixed_list() -> None:
         assert torch.equal(got.contiguous().view(torch.int32), expected.view(torch.int32)), (param.dtype, param.shape)
 
 
+@pytest.mark.parametrize("back_up", [True, False], ids=["back-up", "no-back-up"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch-ops"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_reconcile_and_back_up_applies_the_rule_and_copies_each_param(
-    device: str, fused: bool, monkeypatch: pytest.MonkeyPatch
+    device: str, fused: bool, back_up: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What the stepper runs before each chunk's step (on CUDA the one-pass kernel where the layouts match): every
     bit pattern of both dtypes, in several dense layouts, with backups in the param's layout and in another."""
@@ -261,10 +262,14 @@ def test_reconcile_and_back_up_applies_the_rule_and_copies_each_param(
         param, master = _laid_out(param, permute), _laid_out(master, permute)
         backup = torch.empty_like(param.contiguous() if backup_permuted else param)
         cases.append((param, master, backup, expected))
-    masters.reconcile_and_back_up(*([c[k] for c in cases] for k in range(3)))
-    for param, got, backup, expected in cases:
+    untouched = [backup.clone() for _, _, backup, _ in cases]
+    masters.reconcile_and_back_up(*([c[k] for c in cases] for k in range(3)), back_up=back_up)
+    for (param, got, backup, expected), before in zip(cases, untouched, strict=True):
         assert torch.equal(got.contiguous().view(torch.int32), expected.view(torch.int32)), (param.dtype, param.shape)
-        assert torch.equal(backup.view(torch.int16), param.view(torch.int16))
+        if back_up:
+            assert torch.equal(backup.view(torch.int16), param.view(torch.int16))
+        elif fused and device == "cuda" and backup.stride() == param.stride():  # the torch operations use it as scratch
+            assert torch.equal(backup.view(torch.int16), before.view(torch.int16))
 
 
 def _laid_out(t: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:

@@ -29,7 +29,7 @@ def note_failure(
         note = f"chunked_offload: step() failed before any chunk was stepped; nothing was modified (of {total} chunks)"
     else:
         forward = committed > position
-        fate = "was committed too (its write-back was being enqueued)" if forward else "was rolled back"
+        fate = "was committed too (the failure came after its update)" if forward else "was rolled back"
         untouched = total - committed - (0 if forward else 1)
         where = f"chunk {chunk.index} (params {chunk.params[0]}..{chunk.params[-1]})"
         if with_grads is None:  # a step in the backward: which chunks get grads is not known yet

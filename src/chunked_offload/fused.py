@@ -21,12 +21,15 @@ _BLOCK = 2048
 
 
 @triton.jit
-def _reconcile_kernel(master_ptr, param_ptr, backup_ptr, n, BF16: tl.constexpr, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+def _reconcile_kernel(  # type: ignore[no-untyped-def]
+    master_ptr, param_ptr, backup_ptr, n, BF16: tl.constexpr, BACK_UP: tl.constexpr, BLOCK: tl.constexpr
+):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < n
     stored = tl.load(master_ptr + offsets, mask=inside).to(tl.uint32, bitcast=True)
     param16 = tl.load(param_ptr + offsets, mask=inside)
-    tl.store(backup_ptr + offsets, param16, mask=inside)
+    if BACK_UP:
+        tl.store(backup_ptr + offsets, param16, mask=inside)
     param = param16.to(tl.uint16, bitcast=True).to(tl.uint32)
     master = stored
     if BF16:
@@ -43,9 +46,10 @@ def _reconcile_kernel(master_ptr, param_ptr, backup_ptr, n, BF16: tl.constexpr, 
     tl.store(master_ptr + offsets, master.to(tl.int32, bitcast=True), mask=inside & (master != stored))
 
 
-def reconcile_dense(master: torch.Tensor, param: torch.Tensor, backup: torch.Tensor) -> None:
-    """Apply [Note: Edited params] to the fp32 ``master`` of the 16-bit ``param`` and copy ``param`` into ``backup``,
-    in one pass. The three are CUDA tensors in one dense layout (equal strides), so that memory order matches."""
+def reconcile_dense(master: torch.Tensor, param: torch.Tensor, backup: torch.Tensor, back_up: bool = True) -> None:
+    """Apply [Note: Edited params] to the fp32 ``master`` of the 16-bit ``param`` and copy ``param`` into ``backup``
+    (unless ``back_up`` is False), in one pass. The three are CUDA tensors in one dense layout (equal strides), so
+    that memory order matches."""
     n = master.numel()
     flat = [t.as_strided((n,), (1,)) for t in (master, param, backup)]
     grid = (triton.cdiv(n, _BLOCK),)
@@ -56,5 +60,6 @@ def reconcile_dense(master: torch.Tensor, param: torch.Tensor, backup: torch.Ten
             flat[2].view(torch.int16),
             n,
             BF16=param.dtype == torch.bfloat16,
+            BACK_UP=back_up,
             BLOCK=_BLOCK,
         )

@@ -210,13 +210,18 @@ def reconcile_masters(
 # Whether CUDA masters reconcile through the one-pass kernel of [Note: Fused reconcile] where Triton is present (the
 # benchmarks turn it off to time the torch operations).
 FUSED_RECONCILE = True
-_fused_kernel: list[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None] = []
+_fused_kernel: list[Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], None] | None] = []
 
 
 def reconcile_and_back_up(
-    params: Sequence[torch.Tensor], masters: Sequence[torch.Tensor], backups: Sequence[torch.Tensor]
+    params: Sequence[torch.Tensor],
+    masters: Sequence[torch.Tensor],
+    backups: Sequence[torch.Tensor],
+    *,
+    back_up: bool = True,
 ) -> None:
-    """:func:`reconcile_masters` with ``backups`` as its scratch, then each param copied into its backup.
+    """:func:`reconcile_masters` with ``backups`` as its scratch, then each param copied into its backup (unless
+    ``back_up`` is False: a chunk updated in one op needs none, [Note: One-op updates] in stepping.py).
 
     CUDA masters in their param's dense layout go through the one-pass kernel of [Note: Fused reconcile]; the rest
     through the torch operations. Both leave the same bits, and both may be run again on what either left.
@@ -228,7 +233,7 @@ def reconcile_and_back_up(
             rest.append((p, m, b))
             continue
         try:
-            kernel(m, p, b)
+            kernel(m, p, b, back_up)
         except Exception as e:  # Triton without a working compiler: the torch operations, from here on
             warnings.warn(f"chunked_offload: the fused reconcile failed ({e}); using torch operations", stacklevel=2)
             _fused_kernel[0] = None
@@ -236,10 +241,11 @@ def reconcile_and_back_up(
     if rest:
         ps, ms, bs = ([t[k] for t in rest] for k in range(3))
         reconcile_masters(ps, ms, bs)
-        torch._foreach_copy_(bs, ps)
+        if back_up:
+            torch._foreach_copy_(bs, ps)
 
 
-def _kernel() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None:
+def _kernel() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], None] | None:
     if not _fused_kernel:
         try:
             from .fused import reconcile_dense

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
@@ -13,8 +12,9 @@ from .layout import Layout, Views, chunk_views
 from .planner import Chunk, Home, Role
 from .prefetch import Prefetcher
 from .staging import Slot, SlotState, StagingPool
-from .stepping import ChunkHooks, ChunkStepper, ChunkTxn
+from .stepping import ChunkHooks, ChunkStepper
 from .storage import Store
+from .transaction import Pending
 from .transfer import TransferEngine
 
 __all__ = ["ChunkPipeline", "Pending"]
@@ -22,17 +22,6 @@ __all__ = ["ChunkPipeline", "Pending"]
 _NON_STATE = (Role.MASTER, Role.REMAINDER, Role.TIE_BITS, Role.SCRATCH)
 
 Event = torch.cuda.Event | None
-
-
-@dataclass
-class Pending:
-    """A stepped chunk whose write-back is not enqueued yet (``committing`` once it is being enqueued)."""
-
-    slot: Slot
-    txn: ChunkTxn
-    pairs: list[tuple[torch.Tensor, torch.Tensor]]
-    retain: list[torch.Tensor] = field(default_factory=list)
-    committing: bool = False
 
 
 class ChunkPipeline:
@@ -136,13 +125,15 @@ class ChunkPipeline:
 
     def stage(self, chunk: Chunk, slot: Slot) -> Event:
         """The H2D (a D2D for resident chunks) of a chunk that has state; see [Note: Two-slot staging]."""
-        n = chunk.transfer_nbytes
+        n = 0 if self.require_stepper().in_one_op(chunk) else chunk.transfer_nbytes  # [Note: One-op updates]
         buffer = self._buffer(slot)
         if self._landing is not None and self._landing[0] == chunk.index:
             self.engine.h2d_after(self._landing[1])  # its home is still being written by its held write-back
         disk = self._disk(chunk)
         source = disk.load(chunk) if disk is not None else self._home_region(chunk, n)  # a file: via its bounce
-        return self.engine.stage_in(slot, [(buffer[:n], source[:n])] if n else [])
+        event = self.engine.stage_in(slot, [(buffer[:n], source[:n])] if n else [])
+        slot.homes_copied = chunk.home is Home.DEVICE and n > 0
+        return event
 
     def release_staged(self, slot: Slot, chunk: Chunk, event: Event) -> None:
         """``chunk`` was staged in ``slot`` but another takes the slot: its H2D queues behind the one it replaces.
@@ -170,6 +161,8 @@ class ChunkPipeline:
         slot until ``flush_write_back`` ([Note: Held write-back]).
         """
         pending.committing = True
+        if pending.txn.failure is not None:
+            raise pending.txn.failure  # rolled forward ([Note: One-op updates]): abort() enqueues the write-back
         if self._disk(chunk) is not None:
             self._commit_to_disk(chunk, pending)
             return
@@ -301,8 +294,9 @@ class ChunkPipeline:
 
         [Note: Resident chunks step in place]
         A resident chunk's state and masters step in their homes, device memory already. Its slot holds scratch
-        and the copy of the homes that a rollback puts back ([Note: Chunk transactions]); its commit copies nothing
-        (the D2H stream records the slot's ``free_event`` after the step, for the next H2D into the slot).
+        and the copy of the homes that a rollback puts back ([Note: Chunk transactions]; none where the inner
+        updates it in one op: [Note: One-op updates]); its commit copies nothing (the D2H stream records the slot's
+        ``free_event`` after the step, for the next H2D into the slot).
         """
         layout, stepper = self._require()
         self.engine.wait_staged(slot, h2d_event)
@@ -312,8 +306,12 @@ class ChunkPipeline:
             views = chunk_views(chunk, layout.infos, buffer, roles=(Role.SCRATCH,))
             for i in chunk.params:
                 views[i].update(layout.homes[i])
-            restores = [(self._home_region(chunk, n), buffer[:n])] if n else []
-            _, txn = stepper.run(chunk, views, hooks, fresh=False, restores=restores)
+            home = self._home_region(chunk, n)
+            if n and not slot.homes_copied and not stepper.in_one_op(chunk):
+                buffer[:n].copy_(home)  # staged as one-op by a prefetch, before the groups changed
+                slot.homes_copied = True
+            restores = [(home, buffer[:n])] if slot.homes_copied else []
+            _, txn = stepper.run(chunk, views, hooks, fresh=False, restores=restores, one_op=n > 0 and not restores)
             return Pending(slot, txn, [])
         _, txn = stepper.run(chunk, chunk_views(chunk, layout.infos, buffer), hooks, fresh=False)
         disk = self._disk(chunk)

@@ -45,6 +45,7 @@ class Slot:
         read_marks: ``(end, event)`` pairs of the last write-back, in order: once ``event`` completes, the D2H has
             read every slot byte below ``end``, so an H2D may overwrite them (see [Note: Piecewise copies]).
         retained: device tensors (freshly created state) that an in-flight D2H still reads.
+        homes_copied: the staged chunk is resident and the slot holds a copy of its homes, for its rollback.
     """
 
     def __init__(self, index: int) -> None:
@@ -56,6 +57,7 @@ class Slot:
         self.retained: list[torch.Tensor] = []
         # Set when the buffer is (re)allocated on the compute stream: the next H2D must first wait for that stream.
         self.needs_fence = False
+        self.homes_copied = False
 
     def advance(self, expected: tuple[SlotState, ...], to: SlotState) -> None:
         """Move to ``to``, asserting the slot is in one of ``expected`` states."""
@@ -67,6 +69,7 @@ class Slot:
     def reset(self) -> None:
         """Back to FREE from any state: every copy that touched the slot has been waited for, or never ran."""
         self.advance(tuple(SlotState), SlotState.FREE)
+        self.homes_copied = False
 
 
 class StagingPool:

@@ -2,32 +2,34 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch.autograd.profiler import record_function
 
 from .adapters import Adapter, is_dense
-from .dtensor import like_param, local, same_tensor, show
+from .dtensor import like_param, local, same_tensor
 from .layout import BACKUP, Layout, ParamInfo, Views
 from .masters import (
-    GRAD32,
     MASTER,
     REMAINDER,
     TIE_BITS,
     MasterMode,
     decode_remainder,
-    encode_remainder,
     reconcile_and_back_up,
 )
-from .planner import Chunk, TensorSpec
+from .notices import warn
+from .planner import Chunk, Home, TensorSpec
 from .state_table import bind
+from .transaction import ABSENT, ChunkTxn, UpdateWatch, swap_in_masters, swap_out_masters
 
 __all__ = ["ChunkHooks", "ChunkStepper", "ChunkTxn", "raw_step"]
 
-_ABSENT = object()  # a param that had no state entry before the chunk
+# Whether resident chunks that the inner updates in one op step without a copy of their homes ([Note: One-op
+# updates]); the benchmarks turn it off to time the copy.
+ONE_OP_UPDATES = True
 
 
 class ChunkHooks(Protocol):
@@ -44,86 +46,6 @@ def raw_step(inner: torch.optim.Optimizer) -> Callable[[], Any]:
     if getattr(fn, "hooked", False) and hasattr(fn, "__wrapped__"):
         fn = fn.__wrapped__
     return lambda: fn(inner)
-
-
-@dataclass
-class _MasterSwap:
-    """A param that shows its fp32 master (and the fp32 grad) to the inner optimizer, until undone."""
-
-    param: torch.Tensor
-    data: torch.Tensor
-    grad: torch.Tensor
-    views: dict[str, torch.Tensor]
-    parts: Any = None  # what a DTensor param shows besides ``.data`` (``layout.show``)
-    active: bool = True
-
-
-@dataclass
-class ChunkTxn:
-    """Everything needed to undo one chunk's step until its write-back is enqueued.
-
-    [Note: Chunk transactions]
-    A chunk commits whole or not at all: params, offloaded state, 0-dim counters, non-tensor state and masters
-    together. Before the inner step the stepper records each param's state entry (0-dim tensors by value) and
-    copies each stepped param into its slot's backup region. Offloaded state and masters need no copy: their
-    homes are untouched until the write-back. A resident chunk steps in its homes ([Note: Resident chunks step in
-    place] in pipeline.py), so its slot holds a copy of them, which a rollback copies back. Rolling back restores
-    the params from the backups, puts every entry back as it was (removing entries and keys the step created), and
-    leaves the slot's bytes to be overwritten. Once the write-back is enqueued the chunk is committed and the record
-    is dropped.
-
-    Attributes:
-        state: the inner optimizer's state.
-        entries: param -> its entry and the entry's items before the step, or ``_ABSENT``.
-        scalars: 0-dim state tensors and copies of their values before the step.
-        backups: (param, backup view) of every stepped param.
-        swaps: master swaps still in effect.
-        extras: throwaway params whose state is dropped.
-        restores: (home, copy of it before the step) of a chunk stepped in its homes.
-    """
-
-    state: Any
-    entries: dict[torch.Tensor, Any] = field(default_factory=dict)
-    scalars: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    backups: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    swaps: list[_MasterSwap] = field(default_factory=list)
-    extras: list[torch.Tensor] = field(default_factory=list)
-    restores: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
-
-    def rollback(self) -> None:
-        """Undo the chunk: the params, their state entries and the counters are as before its step."""
-        for home, before in self.restores:
-            home.copy_(before)
-        for swap in reversed(self.swaps):
-            _undo_swap(swap)
-        for p, backup in self.backups:
-            local(p).detach().copy_(backup)
-        for t, saved in self.scalars:
-            t.copy_(saved)
-        for p, before in self.entries.items():
-            if before is _ABSENT:
-                self.state.pop(p, None)
-                continue
-            entry, items = before
-            dict.__setitem__(self.state, p, entry)  # the inner may have replaced the entry object itself
-            dict.clear(entry)
-            for k, v in items.items():
-                bind(entry, k, v)
-        self.drop_extras()
-
-    def drop_extras(self) -> None:
-        for extra in self.extras:
-            self.state.pop(extra, None)
-        self.extras.clear()
-
-
-def _undo_swap(swap: _MasterSwap) -> None:
-    if swap.active:
-        p = swap.param
-        p.grad = None
-        show(p, swap.data, swap.parts)
-        p.grad = swap.grad
-        swap.active = False
 
 
 class ChunkStepper:
@@ -163,6 +85,7 @@ class ChunkStepper:
         self.infos = layout.infos
         self._step = raw_step(inner)
         self._narrowed: dict[int, list[list[torch.Tensor]]] = {}  # chunk index -> its params, group by group
+        self._one_group: dict[int, int] = {}  # chunk index -> its one param group, or -1 ([Note: One-op updates])
 
     def run(
         self,
@@ -172,38 +95,128 @@ class ChunkStepper:
         *,
         fresh: bool,
         restores: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
+        one_op: bool = False,
     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], ChunkTxn]:
         """Step one chunk; return the ``(home, device tensor)`` pairs of fresh state to write back, and the txn.
 
         ``restores``: ``(home, copy)`` pairs that a rollback copies back, for views that are the homes themselves.
+        ``one_op``: the views are the homes, with no copy of them: the inner updates the chunk in one op
+        ([Note: One-op updates]).
         """
         infos = [self.infos[i] for i in chunk.params]
         txn = self._record(infos)
         txn.restores = restores
+        watch: UpdateWatch | None = None
         try:
-            stepped = [info for info in infos if self.adapter.grad_of(info.param) is not None]
-            mastered = [(info, views[info.index]) for info in stepped if info.has_master]
-            if mastered:
-                self._prepare_masters(mastered)  # which also backs up their params
-            plain = [(local(i.param).detach(), views[i.index][BACKUP]) for i in stepped if not i.has_master]
-            if plain:
-                torch._foreach_copy_([b for _, b in plain], [p for p, _ in plain])
-            txn.backups = [(info.param, views[info.index][BACKUP]) for info in stepped]
-            if mastered:
-                self._swap_in_masters(mastered, txn.swaps)
+            stepped = self._prepare(infos, views, txn, back_up=not one_op)
             if not fresh:
                 self._bind(infos, views)
             self.adapter.verify_bound([info.param for info in infos], self.inner.state)
+            if one_op:
+                watch = UpdateWatch(self._updated_by_inner(stepped))
             counters.before_chunk()
-            with record_function("chunked_offload::step_chunk"):
+            with record_function("chunked_offload::step_chunk"), watch or contextlib.nullcontext():
                 self.inner_step(chunk, infos, txn)
-            counters.after_chunk()
-            txn.drop_extras()
-            self._swap_out_masters(txn.swaps)
-            txn.swaps.clear()
-            return self.rescan(infos, views, fresh), txn
-        except BaseException:
-            txn.rollback()
+            if watch is not None and not watch.in_one_op:
+                self._refute_one_op(chunk, watch)
+            return self._complete(infos, views, fresh, counters, txn), txn
+        except BaseException as exc:
+            if watch is None or not watch.updated:
+                txn.rollback()
+                raise
+            return self._roll_forward(exc, chunk, watch, infos, views, counters, txn), txn
+
+    def in_one_op(self, chunk: Chunk) -> bool:
+        """Whether a resident chunk steps in its homes with no copy of them.
+
+        [Note: One-op updates]
+        A resident chunk steps in its homes ([Note: Resident chunks step in place] in pipeline.py); a copy of them
+        (24 bytes moved per element for AdamW with fp32 masters) lets a failure roll it back. That copy is not
+        needed where the inner updates the chunk in one op after all of its checks (``Adapter.updates_in_one_op``:
+        torch's fused Adam and AdamW run one ``_fused_adam(w)_`` per param group, device and dtype), so such a chunk
+        (resident, one param group, one dtype and device as the inner sees them, masters none or fp32) takes none.
+        ``UpdateWatch``, a dispatch mode around the inner step, tells when that op has returned. A failure before it
+        rolls the chunk back: the homes are untouched (the reconcile of [Note: Edited params] stays, which the next
+        step would apply again), and the counters are restored by value. A failure after it rolls the chunk forward:
+        the stepper completes the chunk (masters rounded into the params, state rebound) and the commit raises the
+        failure once the chunk counts as committed; after a failure inside the inner's step it holds what the
+        inner left, as plain torch would. A step whose update took more than one op refutes the adapter's promise:
+        the wrapper warns, and from then on every resident chunk takes the copy.
+        """
+        if chunk.home is not Home.DEVICE or self.mode is MasterMode.REMAINDER or not ONE_OP_UPDATES:
+            return False
+        group = self._one_group.get(chunk.index)
+        if group is None:
+            infos = [self.infos[i] for i in chunk.params]
+            kinds = {(torch.float32 if i.has_master else i.param.dtype, local(i.param).device) for i in infos}
+            groups = {i.group_index for i in infos}
+            group = self._one_group[chunk.index] = groups.pop() if len(groups) == len(kinds) == 1 else -1
+        return group >= 0 and self.adapter.updates_in_one_op(self.inner.param_groups[group])
+
+    def _prepare(self, infos: Sequence[ParamInfo], views: Views, txn: ChunkTxn, *, back_up: bool) -> list[ParamInfo]:
+        """Steps 2 and 3 for the params with grads (returned): masters ready, params backed up, masters shown."""
+        stepped = [info for info in infos if self.adapter.grad_of(info.param) is not None]
+        mastered = [(info, views[info.index]) for info in stepped if info.has_master]
+        if mastered:
+            self._prepare_masters(mastered, back_up)  # which also backs up their params
+        plain = [(local(i.param).detach(), views[i.index][BACKUP]) for i in stepped if back_up and not i.has_master]
+        if plain:
+            torch._foreach_copy_([b for _, b in plain], [p for p, _ in plain])
+        if back_up:
+            txn.backups = [(info.param, views[info.index][BACKUP]) for info in stepped]
+        if mastered:
+            swap_in_masters(mastered, txn.swaps)
+        return stepped
+
+    def _complete(
+        self, infos: Sequence[ParamInfo], views: Views, fresh: bool, counters: ChunkHooks, txn: ChunkTxn
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Steps 6 and 7, after the inner step; running them again changes nothing."""
+        counters.after_chunk()
+        txn.drop_extras()
+        swap_out_masters(txn.swaps, self.mode)
+        txn.swaps.clear()
+        return self.rescan(infos, views, fresh)
+
+    def _updated_by_inner(self, stepped: Sequence[ParamInfo]) -> list[torch.Tensor]:
+        """What the inner's update writes: the stepped params as it sees them, and their state tensors."""
+        state = self.inner.state
+        entries = [state.get(info.param) or {} for info in stepped]
+        return [info.param for info in stepped] + [
+            v for entry in entries for k, v in entry.items() if self.adapter.is_offloaded(k, v)
+        ]
+
+    def _refute_one_op(self, chunk: Chunk, watch: UpdateWatch) -> None:
+        self.adapter.one_op_refuted = True
+        warn(
+            f"chunked_offload: {self.adapter.name} promises to update a chunk in one op, but {watch.ops} op(s) wrote "
+            f"{len(watch.written & watch.watched)} of the {len(watch.watched)} tensors of chunk {chunk.index}; "
+            "resident chunks now take a copy of their homes for rollback"
+        )
+
+    def _roll_forward(
+        self,
+        exc: BaseException,
+        chunk: Chunk,
+        watch: UpdateWatch,
+        infos: Sequence[ParamInfo],
+        views: Views,
+        counters: ChunkHooks,
+        txn: ChunkTxn,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The failure came after the chunk's update op: complete the chunk; the commit raises ``exc``."""
+        if not watch.in_one_op:
+            self._refute_one_op(chunk, watch)
+            _add_note(exc, f"chunked_offload: chunk {chunk.index} holds what the inner optimizer left when it failed")
+        txn.failure = exc
+        try:
+            return self._complete(infos, views, False, counters, txn)
+        except BaseException as again:
+            _add_note(
+                again,
+                f"chunked_offload: chunk {chunk.index} was updated, but completing it failed after {exc!r}: its params "
+                "may not hold their masters; load a checkpoint",
+            )
             raise
 
     def run_empty(self, counters: ChunkHooks) -> None:
@@ -223,7 +236,7 @@ class ChunkStepper:
         for info in infos:
             entry = state.get(info.param)
             if entry is None:
-                txn.entries[info.param] = _ABSENT
+                txn.entries[info.param] = ABSENT
                 continue
             txn.entries[info.param] = (entry, dict(entry))
             scalars += [v for v in entry.values() if isinstance(v, torch.Tensor) and v.dim() == 0]
@@ -245,38 +258,13 @@ class ChunkStepper:
                 if spec.key in entry:
                     bind(entry, spec.key, like_param(views[info.index][spec.key], info.param))
 
-    def _prepare_masters(self, mastered: Sequence[tuple[ParamInfo, dict[str, torch.Tensor]]]) -> None:
+    def _prepare_masters(self, mastered: Sequence[tuple[ParamInfo, dict[str, torch.Tensor]]], back_up: bool) -> None:
         params = [local(info.param).detach() for info, _ in mastered]
         if self.mode is MasterMode.REMAINDER:
             for p, (_, v) in zip(params, mastered, strict=True):
                 decode_remainder(p, v[REMAINDER], v[TIE_BITS], v[MASTER])
-        reconcile_and_back_up(params, [v[MASTER] for _, v in mastered], [v[BACKUP] for _, v in mastered])
-
-    def _swap_in_masters(self, mastered: Sequence[tuple[ParamInfo, dict[str, torch.Tensor]]], swaps: list) -> None:
-        """Cast the grads to fp32, then show each master and its fp32 grad as the param's data and grad."""
-        grads = [info.param.grad for info, _ in mastered if info.param.grad is not None]
-        if len(grads) < len(mastered):
-            index = next(info.index for info, _ in mastered if info.param.grad is None)
-            raise RuntimeError(f"param {index} has no grad; it should not have been swapped to its master")
-        torch._foreach_copy_([v[GRAD32] for _, v in mastered], [local(g) for g in grads])
-        for (info, views), grad in zip(mastered, grads, strict=True):
-            p = info.param
-            swap = _MasterSwap(p, p.data, grad, views)
-            p.grad = None
-            swap.parts = show(p, like_param(views[MASTER], p))  # a DTensor param: a DTensor over the master
-            p.grad = like_param(views[GRAD32], p)
-            swaps.append(swap)  # only once it is in effect: a rollback undoes what is in the list
-
-    def _swap_out_masters(self, swaps: Sequence[_MasterSwap]) -> None:
-        for swap in reversed(swaps):
-            _undo_swap(swap)
-        datas = [local(swap.data) for swap in swaps]
-        if swaps:  # round to nearest even, exactly as `master.to(param.dtype)`
-            torch._foreach_copy_(datas, [swap.views[MASTER] for swap in swaps])
-        if self.mode is MasterMode.REMAINDER:
-            for swap, data in zip(swaps, datas, strict=True):
-                v = swap.views
-                encode_remainder(v[MASTER], data, v[REMAINDER], v[TIE_BITS], work=v[GRAD32])
+        masters, backups = [v[MASTER] for _, v in mastered], [v[BACKUP] for _, v in mastered]
+        reconcile_and_back_up(params, masters, backups, back_up=back_up)
 
     def inner_step(self, chunk: Chunk, infos: Sequence[ParamInfo], txn: ChunkTxn) -> None:
         groups = self.inner.param_groups
@@ -348,3 +336,8 @@ def _check_matches(t: torch.Tensor, spec: TensorSpec, index: int) -> None:
             f"{tuple(t.stride())} and dtype {t.dtype}, but the chunk plan expected shape {spec.shape} and dtype "
             f"{spec.dtype}, in a dense layout (such as strides {spec.stride}); the adapter does not match the optimizer"
         )
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)

@@ -61,6 +61,16 @@ class Adapter:
 
     def __init__(self, inner: torch.optim.Optimizer) -> None:
         self.inner = inner
+        self.one_op_refuted = False  # a step updated a chunk in more than one op ([Note: One-op updates])
+
+    def updates_in_one_op(self, group: dict[str, Any]) -> bool:
+        """Whether the inner's step updates a group's params and state in one op per device and dtype, after all of
+        its checks, so that a resident chunk needs no copy to be rolled back ([Note: One-op updates] in
+        stepping.py). Never again once a step has shown otherwise."""
+        return not self.one_op_refuted and self._one_op(group)
+
+    def _one_op(self, group: dict[str, Any]) -> bool:
+        return False
 
     def predict_state(self, stepped: torch.Tensor, group: dict[str, Any]) -> list[TensorSpec]:
         """Specs of the state that moves for a tensor like ``stepped`` (a meta tensor); 0-dim state excluded."""
@@ -147,6 +157,7 @@ class KeyedAdapter(Adapter):
         lazy: keys the inner optimizer creates whenever they are missing, even in a non-empty state entry.
         strict: whether existing state must match the prediction (see :attr:`Adapter.strict`).
         whole_params: whether the update needs whole params (see :attr:`Adapter.whole_params`).
+        one_op: which groups the inner updates in one op (see :meth:`Adapter.updates_in_one_op`); None: none.
     """
 
     def __init__(
@@ -158,9 +169,11 @@ class KeyedAdapter(Adapter):
         lazy: Sequence[str] = (),
         strict: bool = False,
         whole_params: bool = False,
+        one_op: Callable[[dict[str, Any]], bool] | None = None,
     ) -> None:
         super().__init__(inner)
         self._keys_for_group = keys_for_group
+        self._one_op_groups = one_op
         self._lazy = frozenset(lazy)
         self.name = name
         self.strict = strict
@@ -174,3 +187,6 @@ class KeyedAdapter(Adapter):
 
     def lazy_keys(self, group: dict[str, Any]) -> frozenset[str]:
         return self._lazy
+
+    def _one_op(self, group: dict[str, Any]) -> bool:
+        return self._one_op_groups is not None and self._one_op_groups(group)

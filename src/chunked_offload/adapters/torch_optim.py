@@ -30,6 +30,11 @@ def _rmsprop_keys(group: dict[str, Any]) -> list[str]:
     return keys
 
 
+def _fused(group: dict[str, Any]) -> bool:
+    """torch's fused Adam and AdamW check everything, then update each device and dtype in one op."""
+    return bool(group.get("fused"))
+
+
 def _fixed(*keys: str) -> Callable[[dict[str, Any]], list[str]]:
     return lambda group: list(keys)
 
@@ -125,8 +130,8 @@ def _known() -> list[tuple[type, Callable[[torch.optim.Optimizer], Adapter]]]:
 
     optim = torch.optim
     table: list[tuple[type, Callable[[torch.optim.Optimizer], Adapter]]] = [
-        (optim.AdamW, keyed(_adam_keys, "torch.AdamW")),
-        (optim.Adam, keyed(_adam_keys, "torch.Adam")),
+        (optim.AdamW, keyed(_adam_keys, "torch.AdamW", one_op=_fused)),
+        (optim.Adam, keyed(_adam_keys, "torch.Adam", one_op=_fused)),
         (optim.SGD, SGDAdapter),
         (optim.RMSprop, keyed(_rmsprop_keys, "torch.RMSprop")),
         (optim.Adagrad, keyed(_fixed("sum"), "torch.Adagrad")),

@@ -1,0 +1,204 @@
+"""One chunk's step as a transaction: ChunkTxn, its master swaps, Pending, and the UpdateWatch of the inner."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .dtensor import like_param, local, show
+from .layout import ParamInfo
+from .masters import GRAD32, MASTER, REMAINDER, TIE_BITS, MasterMode, encode_remainder
+from .staging import Slot
+from .state_table import bind
+
+__all__ = [
+    "ABSENT",
+    "ChunkTxn",
+    "MasterSwap",
+    "Pending",
+    "UpdateWatch",
+    "swap_in_masters",
+    "swap_out_masters",
+    "undo_swap",
+]
+
+ABSENT = object()  # a param that had no state entry before the chunk
+
+
+@dataclass
+class MasterSwap:
+    """A param that shows its fp32 master (and the fp32 grad) to the inner optimizer, until undone."""
+
+    param: torch.Tensor
+    data: torch.Tensor
+    grad: torch.Tensor
+    views: dict[str, torch.Tensor]
+    parts: Any = None  # what a DTensor param shows besides ``.data`` (``layout.show``)
+    active: bool = True
+
+
+def undo_swap(swap: MasterSwap) -> None:
+    """Show the param's own data and grad again (once)."""
+    if swap.active:
+        p = swap.param
+        p.grad = None
+        show(p, swap.data, swap.parts)
+        p.grad = swap.grad
+        swap.active = False
+
+
+def swap_in_masters(mastered: Sequence[tuple[ParamInfo, dict[str, torch.Tensor]]], swaps: list[MasterSwap]) -> None:
+    """Cast the grads to fp32, then show each master and its fp32 grad as the param's data and grad."""
+    grads = [info.param.grad for info, _ in mastered if info.param.grad is not None]
+    if len(grads) < len(mastered):
+        index = next(info.index for info, _ in mastered if info.param.grad is None)
+        raise RuntimeError(f"param {index} has no grad; it should not have been swapped to its master")
+    torch._foreach_copy_([v[GRAD32] for _, v in mastered], [local(g) for g in grads])
+    for (info, views), grad in zip(mastered, grads, strict=True):
+        p = info.param
+        swap = MasterSwap(p, p.data, grad, views)
+        p.grad = None
+        swap.parts = show(p, like_param(views[MASTER], p))  # a DTensor param: a DTensor over the master
+        p.grad = like_param(views[GRAD32], p)
+        swaps.append(swap)  # only once it is in effect: a rollback undoes what is in the list
+
+
+def swap_out_masters(swaps: Sequence[MasterSwap], mode: MasterMode) -> None:
+    """Undo the swaps, set each param to its master rounded to nearest even, re-encode remainders."""
+    for swap in reversed(swaps):
+        undo_swap(swap)
+    datas = [local(swap.data) for swap in swaps]
+    if swaps:  # round to nearest even, exactly as `master.to(param.dtype)`
+        torch._foreach_copy_(datas, [swap.views[MASTER] for swap in swaps])
+    if mode is MasterMode.REMAINDER:
+        for swap, data in zip(swaps, datas, strict=True):
+            v = swap.views
+            encode_remainder(v[MASTER], data, v[REMAINDER], v[TIE_BITS], work=v[GRAD32])
+
+
+@dataclass
+class ChunkTxn:
+    """Everything needed to undo one chunk's step until its write-back is enqueued.
+
+    [Note: Chunk transactions]
+    A chunk commits whole or not at all: params, offloaded state, 0-dim counters, non-tensor state and masters
+    together. Before the inner step the stepper records each param's state entry (0-dim tensors by value) and
+    copies each stepped param into its slot's backup region. Offloaded state and masters need no copy: their
+    homes are untouched until the write-back. A resident chunk steps in its homes ([Note: Resident chunks step in
+    place] in pipeline.py), so its slot holds a copy of them, which a rollback copies back, unless the inner
+    updates the chunk in one op ([Note: One-op updates]): then a failure before that op rolls the chunk back with
+    nothing to copy, and one after it rolls the chunk forward (``failure``). Rolling back restores the params from
+    the backups, puts every entry back as it was (removing entries and keys the step created), and leaves the
+    slot's bytes to be overwritten. Once the write-back is enqueued the chunk is committed and the record is
+    dropped.
+
+    Attributes:
+        state: the inner optimizer's state.
+        entries: param -> its entry and the entry's items before the step, or ``ABSENT``.
+        scalars: 0-dim state tensors and copies of their values before the step.
+        backups: (param, backup view) of every stepped param.
+        swaps: master swaps still in effect.
+        extras: throwaway params whose state is dropped.
+        restores: (home, copy of it before the step) of a chunk stepped in its homes.
+        failure: what failed after the chunk's one-op update had run: the chunk was completed instead of rolled
+            back, and the commit raises this once the chunk counts as committed.
+    """
+
+    state: Any
+    entries: dict[torch.Tensor, Any] = field(default_factory=dict)
+    scalars: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    backups: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    swaps: list[MasterSwap] = field(default_factory=list)
+    extras: list[torch.Tensor] = field(default_factory=list)
+    restores: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()
+    failure: BaseException | None = None
+
+    def rollback(self) -> None:
+        """Undo the chunk: the params, their state entries and the counters are as before its step."""
+        for home, before in self.restores:
+            home.copy_(before)
+        for swap in reversed(self.swaps):
+            undo_swap(swap)
+        for p, backup in self.backups:
+            local(p).detach().copy_(backup)
+        for t, saved in self.scalars:
+            t.copy_(saved)
+        for p, before in self.entries.items():
+            if before is ABSENT:
+                self.state.pop(p, None)
+                continue
+            entry, items = before
+            dict.__setitem__(self.state, p, entry)  # the inner may have replaced the entry object itself
+            dict.clear(entry)
+            for k, v in items.items():
+                bind(entry, k, v)
+        self.drop_extras()
+
+    def drop_extras(self) -> None:
+        for extra in self.extras:
+            self.state.pop(extra, None)
+        self.extras.clear()
+
+
+@dataclass
+class Pending:
+    """A stepped chunk whose write-back is not enqueued yet (``committing`` once it is being enqueued)."""
+
+    slot: Slot
+    txn: ChunkTxn
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    retain: list[torch.Tensor] = field(default_factory=list)
+    committing: bool = False
+
+
+class UpdateWatch(TorchDispatchMode):
+    """Counts the inner optimizer's ops that have written a chunk's params or state, as they return.
+
+    A dispatch mode sees every op of the inner's step before its kernel runs and after it returns; it runs each op
+    as it comes (the same kernels, the same results). An op writes a tensor where its schema marks the argument
+    written (``Tensor(a!)``).
+
+    Args:
+        watched: the tensors the inner updates: the params as it sees them and their state tensors.
+    """
+
+    def __init__(self, watched: Iterable[torch.Tensor]) -> None:
+        super().__init__()
+        self.watched = {id(t) for t in watched}
+        self.ops = 0  # ops that returned having written a watched tensor
+        self.written: set[int] = set()
+
+    @property
+    def updated(self) -> bool:
+        """Whether an op has written the chunk: from here on it cannot be rolled back without a copy."""
+        return self.ops > 0
+
+    @property
+    def in_one_op(self) -> bool:
+        """Whether one op wrote every watched tensor, and no other op wrote any."""
+        return self.ops == 1 and self.written >= self.watched
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func._schema.is_mutable:
+            hit = self._written(func, args, kwargs) & self.watched
+            if hit:
+                self.ops += 1
+                self.written |= hit
+        return out
+
+    @staticmethod
+    def _written(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> set[int]:
+        ids: set[int] = set()
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            values = value if isinstance(value, (list, tuple)) else [value]
+            ids.update(id(v) for v in values if isinstance(v, torch.Tensor))
+        return ids

@@ -1,0 +1,201 @@
+"""Resident chunks that the inner updates in one op take no copy of their homes ([Note: One-op updates])."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+
+from chunked_offload import ChunkedOffloadOptimizer, ChunkedOffloadWarning
+from chunked_offload.transfer import TransferEngine
+from reference import (
+    ODD_SHAPES,
+    assert_equal,
+    assert_runs_match,
+    assert_states_equal,
+    internals,
+    make_grads,
+    make_params,
+    run_master_reference,
+    run_steps,
+    set_grads,
+)
+
+CHUNK_MB = 0.002
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+@contextmanager
+def _staged_bytes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The bytes each ``stage_in`` copies, in call order."""
+    seen: list[int] = []
+    original = TransferEngine.stage_in
+
+    def spy(self: TransferEngine, slot: Any, pairs: Any, **kwargs: Any) -> Any:
+        seen.append(sum(dev.numel() for dev, _ in pairs))
+        return original(self, slot, pairs, **kwargs)
+
+    monkeypatch.setattr(TransferEngine, "stage_in", spy)
+    yield seen
+    monkeypatch.undo()
+
+
+def _split_update(monkeypatch: pytest.MonkeyPatch, fail_between: bool = False) -> None:
+    """torch._fused_adamw_ in two calls over halves of its lists: the same bits, but two ops per chunk."""
+    original = torch._fused_adamw_
+
+    def halves(*lists: Any, **kwargs: Any) -> None:
+        n = len(lists[0])
+        original(*[ts[: n // 2] for ts in lists], **kwargs)
+        if fail_between and n > 1:
+            raise RuntimeError("failed between the two halves (injected)")
+        original(*[ts[n // 2 :] for ts in lists], **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", halves)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+def test_resident_fused_adamw_matches_plain_and_copies_nothing_only_when_fused(
+    monkeypatch: pytest.MonkeyPatch, fused: bool, device: str
+) -> None:
+    ref_params, params = make_params(ODD_SHAPES, device=device), make_params(ODD_SHAPES, device=device)
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, fused=fused, foreach=not fused)
+    inner = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=fused, foreach=not fused)
+    opt = ChunkedOffloadOptimizer(inner, chunk_size_mb=CHUNK_MB, offload_fraction=0.0)
+    run_steps(ref, ref_params, 1)
+    run_steps(opt, params, 1)  # the first step creates the state: nothing to stage
+    stepper = internals(opt).placement.pipeline.require_stepper()
+    assert all(stepper.in_one_op(c) == fused for c in opt.plan.all_chunks)
+    with _staged_bytes(monkeypatch) as staged:
+        assert_runs_match(ref, ref_params, opt, params, 3, first_step=1)
+    assert staged and (sum(staged) == 0) == fused
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp32_masters_resident_in_one_op_match_the_resident_master_loop(device: str) -> None:
+    shapes = [*ODD_SHAPES, (40, 8)]
+    params = make_params(shapes, torch.bfloat16, device)
+    opt = ChunkedOffloadOptimizer(
+        torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True),
+        chunk_size_mb=CHUNK_MB,
+        offload_fraction=0.0,
+        master_weights="fp32",
+    )
+    run_steps(opt, params, 4)
+    masters, inner = run_master_reference(
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+        make_params(shapes, torch.bfloat16, device),
+        4,
+    )
+    opt.synchronize()
+    for i, ((_, got), want) in enumerate(zip(opt.master_params(), masters, strict=True)):
+        assert_equal(want, got, f"master {i}")
+        assert_equal(want.to(torch.bfloat16), params[i], f"param {i}")
+
+
+def test_a_chunk_across_two_param_groups_takes_the_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fused AdamW runs one op per group: a chunk holding params of two groups is not updated in one op."""
+
+    def groups(ps: list[torch.nn.Parameter]) -> list[dict[str, Any]]:
+        return [{"params": ps[:3]}, {"params": ps[3:], "weight_decay": 0.0}]
+
+    ref_params, params = make_params(ODD_SHAPES), make_params(ODD_SHAPES)
+    ref = torch.optim.AdamW(groups(ref_params), lr=1e-2, weight_decay=0.1, fused=True)
+    opt = ChunkedOffloadOptimizer(
+        torch.optim.AdamW(groups(params), lr=1e-2, weight_decay=0.1, fused=True), chunk_size_mb=1, offload_fraction=0
+    )
+    stepper = internals(opt).placement.pipeline.require_stepper()
+    assert [stepper.in_one_op(c) for c in opt.plan.all_chunks] == [False]  # one chunk of both groups
+    assert_runs_match(ref, ref_params, opt, params, 3)
+
+
+def test_an_update_in_two_ops_warns_and_later_steps_take_the_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    ref_params, params = make_params(ODD_SHAPES), make_params(ODD_SHAPES)
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, fused=True)
+    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(params, lr=1e-2, fused=True), chunk_size_mb=1, offload_fraction=0.0)
+    run_steps(ref, ref_params, 2)
+    run_steps(opt, params, 1)
+    _split_update(monkeypatch)
+    with pytest.warns(ChunkedOffloadWarning, match="2 op\\(s\\) wrote"):
+        run_steps(opt, params, 1, first_step=1)
+    monkeypatch.undo()
+    assert not internals(opt).placement.pipeline.require_stepper().in_one_op(opt.plan.all_chunks[0])
+    with _staged_bytes(monkeypatch) as staged:
+        assert_runs_match(ref, ref_params, opt, params, 2, first_step=2)
+    assert staged and all(n > 0 for n in staged)
+
+
+def test_a_failure_between_two_update_ops_is_reported_and_leaves_what_plain_torch_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An inner that breaks the one-op promise and fails halfway: the chunk holds what plain torch would."""
+    ref_params, params = make_params(ODD_SHAPES), make_params(ODD_SHAPES)
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, fused=True)
+    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(params, lr=1e-2, fused=True), chunk_size_mb=1, offload_fraction=0.0)
+    run_steps(ref, ref_params, 1)
+    run_steps(opt, params, 1)
+    _split_update(monkeypatch, fail_between=True)
+    set_grads(params, make_grads(params, 1))
+    with (
+        pytest.raises(RuntimeError, match="injected") as info,
+        pytest.warns(ChunkedOffloadWarning, match="1 op\\(s\\) wrote"),
+    ):
+        opt.step()
+    note = "".join(info.value.__notes__)
+    assert "holds what the inner optimizer left" in note and "was committed" in note
+    set_grads(ref_params, make_grads(ref_params, 1))
+    with pytest.raises(RuntimeError, match="injected"):
+        ref.step()
+    monkeypatch.undo()
+    opt.synchronize()
+    for i, (a, b) in enumerate(zip(ref_params, params, strict=True)):
+        assert_equal(a, b, f"param {i}")
+    assert_states_equal(ref, ref_params, opt, params)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("after", [False, True], ids=["before-update", "after-update"])
+def test_a_failure_around_the_update_op_rolls_the_chunk_back_or_forward(
+    monkeypatch: pytest.MonkeyPatch, after: bool, device: str
+) -> None:
+    """An interrupt just before the second chunk's update op rolls it back; just after, rolls it forward."""
+    ref_params, params = make_params(ODD_SHAPES, device=device), make_params(ODD_SHAPES, device=device)
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, fused=True)
+    opt = ChunkedOffloadOptimizer(
+        torch.optim.AdamW(params, lr=1e-2, fused=True), chunk_size_mb=CHUNK_MB, offload_fraction=0.0
+    )
+    chunks = opt.plan.all_chunks
+    assert len(chunks) >= 3
+    run_steps(ref, ref_params, 1)
+    run_steps(opt, params, 1)
+    original, calls = torch._fused_adamw_, []
+
+    def interrupted(*args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        if len(calls) == 2 and not after:
+            raise KeyboardInterrupt
+        original(*args, **kwargs)
+        if len(calls) == 2 and after:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "_fused_adamw_", interrupted)
+    set_grads(params, make_grads(params, 1))
+    with pytest.raises(KeyboardInterrupt) as info:
+        opt.step()
+    monkeypatch.undo()
+    note = "".join(info.value.__notes__)
+    assert ("it was committed too" in note) == after and ("it was rolled back" in note) != after
+    stepped = {i for c in chunks[: 2 if after else 1] for i in c.params}
+    grads = make_grads(ref_params, 1)
+    set_grads(ref_params, [g if i in stepped else None for i, g in enumerate(grads)])
+    ref.step()
+    ref.zero_grad()
+    opt.synchronize()
+    for i, (a, b) in enumerate(zip(ref_params, params, strict=True)):
+        assert_equal(a, b, f"param {i}")
+    assert_states_equal(ref, ref_params, opt, params)
+    assert_runs_match(ref, ref_params, opt, params, 2, first_step=2)  # usable, and exact from there
