@@ -199,3 +199,24 @@ def test_a_failure_around_the_update_op_rolls_the_chunk_back_or_forward(
         assert_equal(a, b, f"param {i}")
     assert_states_equal(ref, ref_params, opt, params)
     assert_runs_match(ref, ref_params, opt, params, 2, first_step=2)  # usable, and exact from there
+
+
+def test_the_watch_counts_writes_to_the_chunk_and_its_memory_only() -> None:
+    from chunked_offload.transaction import UpdateWatch
+
+    p, m, empty, other = torch.zeros(6), torch.zeros(6), torch.zeros(0), torch.zeros(6)
+    with UpdateWatch([p, m, empty]) as watch:
+        other.add_(1)  # not the chunk's
+        torch.zeros(0).add_(1)  # an empty tensor owns no memory, as the chunk's empty one
+        p.sum()  # reads only
+    assert not watch.updated
+    with UpdateWatch([p, m]) as watch:
+        p.view(2, 3).add_(1)  # a view the inner made of a watched tensor
+    assert watch.updated and not watch.in_one_op  # m was not written
+    q = torch.nn.Parameter(torch.zeros(6))
+    adamw = torch.optim.AdamW([q], fused=True)
+    for _ in range(2):  # the first step creates the state, the second updates q and its moments in one op
+        q.grad = torch.ones(6)
+        with UpdateWatch([q, *(v for v in adamw.state[q].values() if v.dim())]) as watch:
+            adamw.step()
+    assert watch.in_one_op

@@ -160,7 +160,8 @@ class UpdateWatch(TorchDispatchMode):
 
     A dispatch mode sees every op of the inner's step before its kernel runs and after it returns; it runs each op
     as it comes (the same kernels, the same results). An op writes a tensor where its schema marks the argument
-    written (``Tensor(a!)``).
+    written (``Tensor(a!)``). A write counts when it reaches a watched tensor or its memory (a view the inner made
+    of one: ``view_as_real``): the storage, not only the object, decides.
 
     Args:
         watched: the tensors the inner updates: the params as it sees them and their state tensors.
@@ -168,7 +169,9 @@ class UpdateWatch(TorchDispatchMode):
 
     def __init__(self, watched: Iterable[torch.Tensor]) -> None:
         super().__init__()
-        self.watched = {id(t) for t in watched}
+        tensors = list(watched)
+        self.watched = {id(t) for t in tensors}
+        self.storages = {_storage(t) for t in tensors} - {0}  # empty tensors own no memory
         self.ops = 0  # ops that returned having written a watched tensor
         self.written: set[int] = set()
 
@@ -186,19 +189,25 @@ class UpdateWatch(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func._schema.is_mutable:
-            hit = self._written(func, args, kwargs) & self.watched
-            if hit:
+            written = _written(func, args, kwargs)
+            if any(id(t) in self.watched or _storage(t) in self.storages for t in written):
                 self.ops += 1
-                self.written |= hit
+                self.written |= {id(t) for t in written}
         return out
 
-    @staticmethod
-    def _written(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> set[int]:
-        ids: set[int] = set()
-        for i, arg in enumerate(func._schema.arguments):
-            if arg.alias_info is None or not arg.alias_info.is_write:
-                continue
-            value = args[i] if i < len(args) else kwargs.get(arg.name)
-            values = value if isinstance(value, (list, tuple)) else [value]
-            ids.update(id(v) for v in values if isinstance(v, torch.Tensor))
-        return ids
+
+def _written(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors an op's schema marks written."""
+    found: list[torch.Tensor] = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        found += [v for v in values if isinstance(v, torch.Tensor)]
+    return found
+
+
+def _storage(t: torch.Tensor) -> int:
+    """Where a tensor's memory starts (a DTensor's: its local shard's)."""
+    return local(t).untyped_storage().data_ptr()
