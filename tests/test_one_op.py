@@ -14,8 +14,8 @@ from chunked_offload.transfer import TransferEngine
 from reference import (
     ODD_SHAPES,
     assert_equal,
+    assert_pair_equal,
     assert_runs_match,
-    assert_states_equal,
     internals,
     make_grads,
     make_params,
@@ -55,6 +55,16 @@ def _split_update(monkeypatch: pytest.MonkeyPatch, fail_between: bool = False) -
         original(*[ts[n // 2 :] for ts in lists], **kwargs)
 
     monkeypatch.setattr(torch, "_fused_adamw_", halves)
+
+
+def _resident_fused_pair(
+    chunk_mb: float = 1.0, device: str = "cpu"
+) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter], ChunkedOffloadOptimizer, list[torch.nn.Parameter]]:
+    """Plain fused AdamW, and the wrapper of another over equal params with all state resident."""
+    ref_params, params = make_params(ODD_SHAPES, device=device), make_params(ODD_SHAPES, device=device)
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, fused=True)
+    inner = torch.optim.AdamW(params, lr=1e-2, fused=True)
+    return ref, ref_params, ChunkedOffloadOptimizer(inner, chunk_size_mb=chunk_mb, offload_fraction=0.0), params
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -114,9 +124,7 @@ def test_a_chunk_across_two_param_groups_takes_the_copy(monkeypatch: pytest.Monk
 
 
 def test_an_update_in_two_ops_warns_and_later_steps_take_the_copy(monkeypatch: pytest.MonkeyPatch) -> None:
-    ref_params, params = make_params(ODD_SHAPES), make_params(ODD_SHAPES)
-    ref = torch.optim.AdamW(ref_params, lr=1e-2, fused=True)
-    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(params, lr=1e-2, fused=True), chunk_size_mb=1, offload_fraction=0.0)
+    ref, ref_params, opt, params = _resident_fused_pair()
     run_steps(ref, ref_params, 2)
     run_steps(opt, params, 1)
     _split_update(monkeypatch)
@@ -133,9 +141,7 @@ def test_a_failure_between_two_update_ops_is_reported_and_leaves_what_plain_torc
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """An inner that breaks the one-op promise and fails halfway: the chunk holds what plain torch would."""
-    ref_params, params = make_params(ODD_SHAPES), make_params(ODD_SHAPES)
-    ref = torch.optim.AdamW(ref_params, lr=1e-2, fused=True)
-    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(params, lr=1e-2, fused=True), chunk_size_mb=1, offload_fraction=0.0)
+    ref, ref_params, opt, params = _resident_fused_pair()
     run_steps(ref, ref_params, 1)
     run_steps(opt, params, 1)
     _split_update(monkeypatch, fail_between=True)
@@ -151,10 +157,7 @@ def test_a_failure_between_two_update_ops_is_reported_and_leaves_what_plain_torc
     with pytest.raises(RuntimeError, match="injected"):
         ref.step()
     monkeypatch.undo()
-    opt.synchronize()
-    for i, (a, b) in enumerate(zip(ref_params, params, strict=True)):
-        assert_equal(a, b, f"param {i}")
-    assert_states_equal(ref, ref_params, opt, params)
+    assert_pair_equal(ref, ref_params, opt, params)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -163,11 +166,7 @@ def test_a_failure_around_the_update_op_rolls_the_chunk_back_or_forward(
     monkeypatch: pytest.MonkeyPatch, after: bool, device: str
 ) -> None:
     """An interrupt just before the second chunk's update op rolls it back; just after, rolls it forward."""
-    ref_params, params = make_params(ODD_SHAPES, device=device), make_params(ODD_SHAPES, device=device)
-    ref = torch.optim.AdamW(ref_params, lr=1e-2, fused=True)
-    opt = ChunkedOffloadOptimizer(
-        torch.optim.AdamW(params, lr=1e-2, fused=True), chunk_size_mb=CHUNK_MB, offload_fraction=0.0
-    )
+    ref, ref_params, opt, params = _resident_fused_pair(CHUNK_MB, device)
     chunks = opt.plan.all_chunks
     assert len(chunks) >= 3
     run_steps(ref, ref_params, 1)
@@ -194,10 +193,7 @@ def test_a_failure_around_the_update_op_rolls_the_chunk_back_or_forward(
     set_grads(ref_params, [g if i in stepped else None for i, g in enumerate(grads)])
     ref.step()
     ref.zero_grad()
-    opt.synchronize()
-    for i, (a, b) in enumerate(zip(ref_params, params, strict=True)):
-        assert_equal(a, b, f"param {i}")
-    assert_states_equal(ref, ref_params, opt, params)
+    assert_pair_equal(ref, ref_params, opt, params)
     assert_runs_match(ref, ref_params, opt, params, 2, first_step=2)  # usable, and exact from there
 
 
