@@ -67,8 +67,9 @@ class ChunkStepper:
     7. re-scan the state: lazily created tensors are checked against the plan and either copied into the slot
        (staged chunk) or handed back for a direct D2H (fresh chunk); every state tensor is rebound to its home.
 
-    A failure in steps 2-7 rolls the chunk back before the exception propagates. After ``run`` returns, the
-    caller enqueues the write-back and then drops the returned transaction, or rolls it back if that fails.
+    A failure in steps 2-7 rolls the chunk back before the exception propagates, or after a one-op update rolls it
+    forward and leaves the exception to the commit ([Note: One-op updates]). After ``run`` returns, the caller
+    enqueues the write-back and then drops the returned transaction, or rolls it back if that fails.
 
     Args:
         inner: the wrapped optimizer.
