@@ -6,7 +6,7 @@ import logging
 
 from .planner import Chunk
 
-__all__ = ["note_failure"]
+__all__ = ["add_note", "note_failure"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,5 +46,10 @@ def note_failure(
                 f"rolled back and {untouched} untouched ({total - with_grads} had no grads in this step)"
             )
     logger.warning("%s (%s: %s)", note, type(exc).__name__, exc)
+    add_note(exc, note)
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)`` where Python has it (3.11 and later)."""
     if hasattr(exc, "add_note"):
         exc.add_note(note)

@@ -11,6 +11,7 @@ from torch.autograd.profiler import record_function
 
 from .adapters import Adapter, is_dense
 from .dtensor import like_param, local, same_tensor
+from .failures import add_note
 from .layout import BACKUP, Layout, ParamInfo, Views
 from .masters import (
     MASTER,
@@ -208,12 +209,12 @@ class ChunkStepper:
         """The failure came after the chunk's update op: complete the chunk; the commit raises ``exc``."""
         if not watch.in_one_op:
             self._refute_one_op(chunk, watch)
-            _add_note(exc, f"chunked_offload: chunk {chunk.index} holds what the inner optimizer left when it failed")
+            add_note(exc, f"chunked_offload: chunk {chunk.index} holds what the inner optimizer left when it failed")
         txn.failure = exc
         try:
             return self._complete(infos, views, False, counters, txn)
         except BaseException as again:
-            _add_note(
+            add_note(
                 again,
                 f"chunked_offload: chunk {chunk.index} was updated, but completing it failed after {exc!r}: its params "
                 "may not hold their masters; load a checkpoint",
@@ -337,8 +338,3 @@ def _check_matches(t: torch.Tensor, spec: TensorSpec, index: int) -> None:
             f"{tuple(t.stride())} and dtype {t.dtype}, but the chunk plan expected shape {spec.shape} and dtype "
             f"{spec.dtype}, in a dense layout (such as strides {spec.stride}); the adapter does not match the optimizer"
         )
-
-
-def _add_note(exc: BaseException, note: str) -> None:
-    if hasattr(exc, "add_note"):
-        exc.add_note(note)
