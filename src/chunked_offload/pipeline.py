@@ -124,7 +124,8 @@ class ChunkPipeline:
         }
 
     def stage(self, chunk: Chunk, slot: Slot) -> Event:
-        """The H2D (a D2D for resident chunks, nothing for one-op ones) of a chunk that has state ([Note: Two-slot staging])."""
+        """The H2D of a chunk that has state (a D2D for resident chunks, nothing for one-op ones); see [Note: Two-slot
+        staging]."""
         n = 0 if self.require_stepper().in_one_op(chunk) else chunk.transfer_nbytes  # [Note: One-op updates]
         buffer = self._buffer(slot)
         if self._landing is not None and self._landing[0] == chunk.index:
