@@ -189,6 +189,8 @@ class ChunkStepper:
         ]
 
     def _refute_one_op(self, chunk: Chunk, watch: UpdateWatch) -> None:
+        if self.adapter.one_op_refuted:
+            return  # warned already (a failure after a refuting step's inner step comes here twice)
         self.adapter.one_op_refuted = True
         warn(
             f"chunked_offload: {self.adapter.name} promises to update a chunk in one op, but {watch.ops} op(s) wrote "
