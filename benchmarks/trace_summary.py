@@ -6,7 +6,8 @@ GPU idle is the part of the span from the first to the last GPU activity (kernel
 in which none runs, divided by the iterations traced. Host ms per chunk is the duration of the
 ``chunked_offload::chunk`` scope: the host's work to stage, step and commit one chunk. ``--ops N`` also lists, per
 trace, the N host ops with the most self time inside those scopes (ms per chunk, calls per chunk): where the host
-time of a chunk goes.
+time of a chunk goes. ``--kernels N`` lists, per trace, the N kernel names with the most GPU time per iteration,
+and the N with the most GPU idle just before them (which work the GPU waited for: compare a mode with resident).
 """
 
 from __future__ import annotations
@@ -87,11 +88,35 @@ def chunk_ops(path: Path) -> list[tuple[str, float, float]]:
     return sorted(rows, key=lambda r: -r[1])
 
 
+def _short(name: str) -> str:
+    return re.sub(r"<.*", "", name)[:60]
+
+
+def kernel_rows(path: Path, iters: int) -> tuple[list[tuple[str, float]], list[tuple[str, float]]]:
+    """Per kernel name, ms per iteration: GPU time, and the GPU idle (no activity on any stream) just before it."""
+    events = sorted((e for e in _events(path) if e.get("cat") in GPU), key=lambda e: e["ts"])
+    time: dict[str, float] = {}
+    idle_before: dict[str, float] = {}
+    end = float("-inf")
+    for e in events:
+        name = _short(e["name"]) if e.get("cat") == "kernel" else e.get("cat", "")
+        time[name] = time.get(name, 0.0) + e["dur"]
+        if e["ts"] > end > float("-inf"):
+            idle_before[name] = idle_before.get(name, 0.0) + e["ts"] - end
+        end = max(end, e["ts"] + e["dur"])
+
+    def rows(totals: dict[str, float]) -> list[tuple[str, float]]:
+        return sorted(((k, v / 1e3 / iters) for k, v in totals.items()), key=lambda r: -r[1])
+
+    return rows(time), rows(idle_before)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("traces", type=Path, help="a directory of *.json.gz traces, or one trace")
     parser.add_argument("--iters", type=int, default=2, help="iterations in each trace (bench_train traces 2)")
     parser.add_argument("--ops", type=int, default=0, metavar="N", help="the N host ops with most self time per chunk")
+    parser.add_argument("--kernels", type=int, default=0, metavar="N", help="the N kernels with most time, idle before")
     args = parser.parse_args()
     paths = sorted(args.traces.glob("*.json*")) if args.traces.is_dir() else [args.traces]
     print(f"{'trace':>34} {'ms/iter':>8} {'GPU idle ms/iter':>17} {'chunks/iter':>12} {'host ms/chunk':>14}")
@@ -105,6 +130,12 @@ def main() -> None:
             print(f"\n{path.name}: host self ms per chunk, calls per chunk")
             for op, ms, calls in rows[: args.ops]:
                 print(f"  {op[:60]:60} {ms:8.3f} {calls:8.1f}")
+    for path in paths if args.kernels else []:
+        time, idle = kernel_rows(path, args.iters)
+        print(f"\n{path.name}: GPU ms per iteration by kernel | GPU idle ms per iteration just before it")
+        for row in range(min(args.kernels, len(time))):
+            (k1, t), (k2, i) = time[row], idle[row] if row < len(idle) else ("", 0.0)
+            print(f"  {k1:60} {t:8.2f} | {k2:60} {i:7.2f}")
 
 
 if __name__ == "__main__":

@@ -54,3 +54,18 @@ def test_a_chunks_host_time_goes_to_the_ops_inside_it_by_self_time(tmp_path: Pat
     assert rows["aten::to"] == (5 / 1e3, 1) and rows["aten::_to_copy"] == (10 / 1e3, 1)
     assert rows[chunk] == ((100 - 30 - 20 - 15) / 1e3, 1)
     assert "aten::mul" not in rows
+
+
+def test_kernel_rows_give_each_kernels_time_and_the_idle_just_before_it(tmp_path: Path) -> None:
+    # adam<float> [0, 10), a copy [12, 20) beside norm [15, 20), adam<half> [30, 40): idle 2 before the copy, 10 before
+    # the second adam; template arguments are cut from the names, and copies are named by their category.
+    events = [
+        _event("adam<float>", "kernel", 0, 10),
+        _event("Memcpy HtoD", "gpu_memcpy", 12, 8, tid=9),
+        _event("norm", "kernel", 15, 5),
+        _event("adam<half>", "kernel", 30, 10),
+    ]
+    time, idle = trace_summary.kernel_rows(_write(tmp_path, events), iters=1)
+    assert dict(time) == {"adam": 20 / 1e3, "gpu_memcpy": 8 / 1e3, "norm": 5 / 1e3}
+    assert dict(idle) == {"gpu_memcpy": 2 / 1e3, "adam": 10 / 1e3}
+    assert [name for name, _ in idle] == ["adam", "gpu_memcpy"]  # most idle first

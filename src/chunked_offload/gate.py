@@ -65,14 +65,24 @@ class StepGate:
         return bool(self.gated) and not self.compiled_forward
 
     @contextmanager
-    def stepping(self, wait_caller: bool = True) -> Iterator[None]:
+    def stepping(self, wait_caller: bool = True, own: bool = True) -> Iterator[None]:
         """Run the block on the step stream, after what the caller's stream has enqueued so far.
 
         ``wait_caller=False`` for the deferred chunks of a step that already waited: what the caller has enqueued
-        since (the next forward) waits for them, not the other way round.
+        since (the next forward) waits for them, not the other way round. ``own=False`` runs the block on the
+        caller's stream, after what the step stream has enqueued: for a step the caller's stream waits for whole
+        right after (every chunk eager, or nothing attached), where a stream of its own would only add waits.
         """
         if self.stream is None:
             yield
+            return
+        if not own:
+            self.join()  # the last step's deferred chunks, enqueued by the flush before this step
+            try:
+                yield
+            finally:
+                self.end = torch.cuda.Event()
+                self.end.record(torch.cuda.current_stream(self.stream.device))
             return
         if wait_caller:
             caller = torch.cuda.current_stream(self.stream.device)

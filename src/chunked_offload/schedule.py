@@ -71,6 +71,7 @@ class _Run:
     record: StepRecord
     counters: GroupCounters
     owned: OwnedGrads
+    own: bool  # on the gate's stream, the caller's going on without it; else on the caller's stream
     events: dict[int, Event] = field(default_factory=dict)
     next: int = 0  # the first chunk not enqueued yet
     position: int = -1  # the chunk being enqueued (for the failure note)
@@ -150,9 +151,9 @@ class StepSchedule:
         With ``defer`` the step may return after enqueuing only its first chunks; the rest wait in ``deferred``
         for ``advance`` ([Note: Deferred chunks]). It defers only chunks that all have state, only while the
         inner optimizer leaves the groups' values alone, and never the first ``eager`` chunks. With ``own`` the
-        caller's stream goes on without waiting for the step: every chunk that steps after ``step()`` has returned
-        (on a GPU, all but the eager ones) reads copies of its grads, and its params are watched ([Note: Inputs of a
-        step]).
+        chunks run on the gate's stream and the caller's stream goes on without waiting for the step: every chunk
+        that steps after ``step()`` has returned (on a GPU, all but the eager ones) reads copies of its grads, and
+        its params are watched ([Note: Inputs of a step]). Without it they run on the caller's stream.
         """
         pipeline = self.pipeline
         fresh = [not pipeline.has_state(c) for c in chunks]
@@ -163,7 +164,7 @@ class StepSchedule:
         if not chunks:
             pipeline.require_stepper().run_empty(step.counters)
             return
-        run = _Run(list(chunks), fresh, step.record, step.counters, OwnedGrads(pipeline.gate.keep_alive))
+        run = _Run(list(chunks), fresh, step.record, step.counters, OwnedGrads(pipeline.gate.keep_alive), own)
         slots = len(pipeline.pool.slots)
         head = len(chunks) if not defer or any(fresh) else min(len(chunks), eager + slots)
         later = (eager if pipeline.gate.stream is not None else head) if own else len(chunks)
@@ -222,7 +223,7 @@ class StepSchedule:
         pipeline = self.pipeline
         events, chunks, fresh = run.events, run.chunks, run.fresh
         try:
-            with pipeline.gate.stepping(wait_caller=first):
+            with pipeline.gate.stepping(wait_caller=first, own=run.own):
                 for pos in range(run.next, last + 1):
                     run.position = pos
                     chunk = chunks[pos]

@@ -314,3 +314,21 @@ def test_the_auto_budget_keeps_what_fits_resident_and_stays_exact(monkeypatch: p
     model, opt = _auto_loop(mode, width, headroom_share=0.5)
     assert opt.stats is not None and 0.3 < opt.stats.resident_share < 0.7, opt.stats.resident_share
     _assert_models_equal((*reference, None), (model, opt, None))
+
+
+@pytest.mark.parametrize("resident", [True, False], ids=["all-resident", "staged"])
+def test_an_overlapped_step_of_eager_chunks_only_runs_on_the_callers_stream(resident: bool) -> None:
+    """With every chunk resident the caller's stream waits for all of them right after ``step()``: the step runs on
+    that stream, as a synchronous one, and its own stream gets no work; with staged chunks it does. Both exact."""
+    plain = _train(overlap=False, attach=False)
+    budget = 1024 if resident else None
+    model, opt, _ = overlapped = _train(overlap=True, attach=True, gpu_budget_mb=budget)
+    _assert_models_equal(plain, overlapped)
+    assert (opt.plan.host_nbytes == 0) if resident else (opt.plan.resident_nbytes == 0)
+    stream = internals(opt).runner.gate.stream
+    assert stream is not None
+    model(torch.randn(64, 1024, device="cuda")).square().mean().backward()
+    torch.cuda._sleep(SLEEP)  # the caller's stream is busy: work on the step stream waits for it
+    opt.step()
+    assert stream.query() is resident  # nothing pending there, or the step waiting behind the sleep
+    opt.synchronize()
