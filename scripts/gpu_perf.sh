@@ -3,7 +3,8 @@
 # H200 with --titan, 7 with --disk too; logs under $OUT):
 #   CHUNKED_OFFLOAD_SHA=$(git rev-parse --short HEAD) bash scripts/gpu_perf.sh [--ab] [--titan] [--disk]
 #   bench_train  resident, the "auto" modes and in-backward at 8 and 16 x 2048, timing only, with profiler traces
-#                (trace_summary.py: GPU idle per iteration, host ms per chunk; the traces are deleted after)
+#                (trace_summary.py: GPU idle per iteration, host ms per chunk, GPU time by kernel; the traces are
+#                deleted after)
 #   --ab         bench_train again with resident chunks copied for rollback (--rollback-copy, the code before
 #                one-op updates), untraced, then the one-op run again untraced: A, B, A on one machine
 #   bench_step   AdamW on 1e9 fp32 params at 256 MB and 1 GiB chunks, checked bitwise
@@ -36,7 +37,7 @@ summary=()
 python3 bench_train.py --batches 8,16 --warmup 2 --iters 5 --skip-exact --trace "$out/traces" \
   --variants resident,sync-auto,overlap-auto,backward-auto,backward > "$out/bench_train.log" 2>&1
 summary+=("bench_train rc=$?")
-python3 trace_summary.py "$out/traces" > "$out/trace_summary.log" 2>&1
+python3 trace_summary.py "$out/traces" --kernels 12 > "$out/trace_summary.log" 2>&1
 rm -rf "$out/traces"
 if [ $ab -eq 1 ]; then
   python3 bench_train.py --batches 8,16 --warmup 2 --iters 5 --skip-exact --rollback-copy \
@@ -61,8 +62,8 @@ echo "== bench_train (kept = resident iterations/s over the variant's)"
 grep -E "^ +(tokens|[0-9]+ +[a-z-]+ +[0-9.]+)" "$out/bench_train.log"
 [ $ab -eq 1 ] && for run in rollback_copy one_op; do echo "== bench_train, $run"
   grep -E "^ +(tokens|[0-9]+ +[a-z-]+ +[0-9.]+)" "$out/bench_train_$run.log"; done
-echo "== trace_summary"
-cat "$out/trace_summary.log"
+echo "== trace_summary (the kernels' GPU time and the idle before them: trace_summary.log)"
+sed '/^$/q' "$out/trace_summary.log"
 echo "== bench_step"
 grep -E "^adamw|^#" "$out/bench_step.log"
 [ $titan -eq 1 ] && { echo "== bench_titan"; grep -A8 "^variant" "$out/bench_titan.log"; }
