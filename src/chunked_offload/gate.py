@@ -25,7 +25,11 @@ class StepGate:
     attached with ``opt.attach(model)`` makes the stream that runs its forward wait for the events of its own params,
     just before the forward reads them (hooks.py). The next forward therefore runs while later chunks are
     still being stepped, and reads each param only after its update: the result is bitwise that of the synchronous
-    loop, because every kernel is the same and runs on the same bytes in the same order.
+    loop, because every kernel is the same and runs on the same bytes in the same order. A step that the caller's
+    stream waits for whole as soon as ``step()`` returns (every chunk eager, or no gated forward) runs on the
+    caller's stream instead (``stepping(own=False)``): a stream of its own adds only waits there. Measured on an H100
+    with all state resident at 8 x 2048: 98.7-98.9% of resident iterations/s kept on the step's own stream, 99.3%
+    on the caller's (the synchronous wrapper 99.2-99.6%).
 
     What else reads or writes what the step stream uses:
     - grads and GradScaler's tensors: ``record_stream`` keeps their memory from being reused while the step stream
