@@ -117,11 +117,8 @@ class StepRunner:
         observed = self.loop.check_observation(bool(scaler))
         chunks = self.chunks_to_step()
         skip_staged = skipped_by_scaler(scaler)
-        gating = self.overlap and self.gate.gating
-        eager = sum(1 for c in chunks if self.schedule.eager(c)) if gating else 0
-        # The caller's stream goes on without the whole step; with every chunk eager it waits for all of them at once,
-        # so the step runs on the caller's stream, as a synchronous one.
-        detached = gating and eager < len(chunks)
+        eager = sum(1 for c in chunks if self.schedule.eager(c)) if self.overlap and self.gate.gating else len(chunks)
+        detached = eager < len(chunks)  # else it runs on the caller's stream ([Note: Overlapped step])
         # [Note: Deferred chunks]: a post-hook expects the step done (an EMA of the weights).
         defer = detached and not skip_staged and not scaler and not self.context.has_post_hooks(self.post_hooks)
         if detached:
