@@ -80,24 +80,19 @@ class StepGate:
         if self.stream is None:
             yield
             return
+        caller = torch.cuda.current_stream(self.stream.device)
+        stream = self.stream if own else caller
         if not own:
             self.join()  # the last step's deferred chunks, enqueued by the flush before this step
-            try:
-                yield
-            finally:
-                self.end = torch.cuda.Event()
-                self.end.record(torch.cuda.current_stream(self.stream.device))
-            return
-        if wait_caller:
-            caller = torch.cuda.current_stream(self.stream.device)
+        elif wait_caller:
             # Without this wait the step could read grads the caller's backward has not finished writing.
             self.stream.wait_stream(caller)
         try:
-            with torch.cuda.stream(self.stream):
+            with torch.cuda.stream(stream):
                 yield
         finally:
             self.end = torch.cuda.Event()
-            self.end.record(self.stream)
+            self.end.record(stream)
 
     def clear(self) -> None:
         """Forget the events (the layout changed; the caller has drained every stream)."""
