@@ -3,7 +3,9 @@
     python benchmarks/trace_summary.py DIR [--iters 2] [--ops 12]
 
 GPU idle is the part of the span from the first to the last GPU activity (kernels, copies, memsets, on any stream)
-in which none runs, divided by the iterations traced. Host ms per chunk is the duration of the
+in which none runs, divided by the iterations traced. The main stream is the one with the most kernel time (the
+caller's): its busy ms per iteration grows where its kernels run longer or more of them run there, its idle ms where
+it waits for the host or for another stream (a step's exposed tail). Host ms per chunk is the duration of the
 ``chunked_offload::chunk`` scope: the host's work to stage, step and commit one chunk. ``--ops N`` also lists, per
 trace, the N host ops with the most self time inside those scopes (ms per chunk, calls per chunk): where the host
 time of a chunk goes. ``--kernels N`` lists, per trace, the N kernel names with the most GPU time per iteration,
@@ -41,14 +43,26 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def _stream(e: dict[str, Any]) -> Any:
+    return e.get("args", {}).get("stream", e.get("tid"))
+
+
 def summarise(path: Path, iters: int) -> dict[str, float]:
     events = _events(path)
     gpu = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in GPU]
     chunks = [e["dur"] for e in events if e.get("name") == CHUNK and e.get("cat") == "user_annotation"]
     span = max(b for _, b in gpu) - min(a for a, _ in gpu) if gpu else 0.0
+    kernel_us: dict[Any, float] = {}
+    for e in events:
+        if e.get("cat") == "kernel":
+            kernel_us[_stream(e)] = kernel_us.get(_stream(e), 0.0) + e["dur"]
+    main = max(kernel_us, key=kernel_us.__getitem__, default=None)
+    main_busy = busy_us([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in GPU and _stream(e) == main])
     return {
         "span_ms": span / 1e3 / iters,
         "idle_ms": (span - busy_us(gpu)) / 1e3 / iters,
+        "main_busy_ms": main_busy / 1e3 / iters,
+        "main_idle_ms": (span - main_busy) / 1e3 / iters if gpu else 0.0,
         "chunks": len(chunks) / iters,
         "host_ms_per_chunk": statistics.mean(chunks) / 1e3 if chunks else 0.0,
     }
@@ -119,11 +133,17 @@ def main() -> None:
     parser.add_argument("--kernels", type=int, default=0, metavar="N", help="the N kernels with most time, idle before")
     args = parser.parse_args()
     paths = sorted(args.traces.glob("*.json*")) if args.traces.is_dir() else [args.traces]
-    print(f"{'trace':>34} {'ms/iter':>8} {'GPU idle ms/iter':>17} {'chunks/iter':>12} {'host ms/chunk':>14}")
+    print(
+        f"{'trace':>34} {'ms/iter':>8} {'GPU idle ms/iter':>17} {'main busy':>10} {'main idle':>10} "
+        f"{'chunks/iter':>12} {'host ms/chunk':>14}"
+    )
     for path in paths:
         s = summarise(path, args.iters)
         name = path.name.removesuffix(".gz").removesuffix(".json")
-        print(f"{name:>34} {s['span_ms']:8.1f} {s['idle_ms']:17.2f} {s['chunks']:12.1f} {s['host_ms_per_chunk']:14.3f}")
+        print(
+            f"{name:>34} {s['span_ms']:8.1f} {s['idle_ms']:17.2f} {s['main_busy_ms']:10.1f} {s['main_idle_ms']:10.2f} "
+            f"{s['chunks']:12.1f} {s['host_ms_per_chunk']:14.3f}"
+        )
     for path in paths if args.ops else []:
         rows = chunk_ops(path)
         if rows:

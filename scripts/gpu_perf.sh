@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One device call for the figures of the performance issues, with a short table at the end (about 4 minutes on the
 # H200 with --titan, 7 with --disk too; logs under $OUT):
-#   CHUNKED_OFFLOAD_SHA=$(git rev-parse --short HEAD) bash scripts/gpu_perf.sh [--ab] [--titan] [--disk]
-#   bench_train  resident, the "auto" modes and in-backward at 8 and 16 x 2048, timing only, with profiler traces
-#                (trace_summary.py: GPU idle per iteration, host ms per chunk, GPU time by kernel; the traces are
-#                deleted after)
+#   CHUNKED_OFFLOAD_SHA=$(git rev-parse --short HEAD) bash scripts/gpu_perf.sh [--slots N] [--ab] [--titan] [--disk]
+#   bench_train  resident, the "auto" modes and in-backward at 8 and 16 x 2048, 1 GiB chunks, N slots (3, as in the
+#                performance issues), timing only, with profiler traces (trace_summary.py: GPU idle per iteration,
+#                the main stream's busy and idle time, host ms per chunk, GPU time by kernel; the traces are deleted)
 #   --ab         bench_train again with resident chunks copied for rollback (--rollback-copy, the code before
 #                one-op updates), untraced, then the one-op run again untraced: A, B, A on one machine
 #   bench_step   AdamW on 1e9 fp32 params at 256 MB and 1 GiB chunks, checked bitwise
@@ -13,9 +13,10 @@
 # Runs with the machine's python3 and PYTHONPATH=src, as scripts/gpu_check.sh does.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-titan=0 disk=0 ab=0
+titan=0 disk=0 ab=0 slots=3
 while [ $# -gt 0 ]; do
   case "$1" in
+    --slots) slots=$2; shift ;;
     --titan) titan=1 ;;
     --disk) disk=1 ;;
     --ab) ab=1 ;;
@@ -34,16 +35,16 @@ export PYTHONPATH="$root/src:$root/tests:$root/benchmarks${PYTHONPATH:+:$PYTHONP
 export CHUNKED_OFFLOAD_SHA=${CHUNKED_OFFLOAD_SHA:-unknown}
 cd benchmarks
 summary=()
-python3 bench_train.py --batches 8,16 --warmup 2 --iters 5 --skip-exact --trace "$out/traces" \
+python3 bench_train.py --batches 8,16 --num-slots "$slots" --warmup 2 --iters 5 --skip-exact --trace "$out/traces" \
   --variants resident,sync-auto,overlap-auto,backward-auto,backward > "$out/bench_train.log" 2>&1
 summary+=("bench_train rc=$?")
 python3 trace_summary.py "$out/traces" --kernels 12 > "$out/trace_summary.log" 2>&1
 rm -rf "$out/traces"
 if [ $ab -eq 1 ]; then
-  python3 bench_train.py --batches 8,16 --warmup 2 --iters 5 --skip-exact --rollback-copy \
+  python3 bench_train.py --batches 8,16 --num-slots "$slots" --warmup 2 --iters 5 --skip-exact --rollback-copy \
     --variants resident,sync-auto,overlap-auto,backward-auto > "$out/bench_train_rollback_copy.log" 2>&1
   summary+=("bench_train --rollback-copy rc=$?")
-  python3 bench_train.py --batches 8,16 --warmup 2 --iters 5 --skip-exact \
+  python3 bench_train.py --batches 8,16 --num-slots "$slots" --warmup 2 --iters 5 --skip-exact \
     --variants resident,sync-auto,overlap-auto,backward-auto > "$out/bench_train_one_op.log" 2>&1
   summary+=("bench_train one-op, untraced rc=$?")
 fi

@@ -36,6 +36,8 @@ def test_gpu_idle_is_the_span_less_the_union_of_gpu_work(tmp_path: Path) -> None
     ]
     s = trace_summary.summarise(_write(tmp_path, events), iters=2)
     assert s["span_ms"] == 40 / 1e3 / 2 and s["idle_ms"] == 10 / 1e3 / 2 and s["chunks"] == 0
+    # Stream 8 has the most kernel time (15 us): busy [5, 20), idle the other 25 us of the span.
+    assert s["main_busy_ms"] == 15 / 1e3 / 2 and s["main_idle_ms"] == 25 / 1e3 / 2
 
 
 def test_a_chunks_host_time_goes_to_the_ops_inside_it_by_self_time(tmp_path: Path) -> None:
