@@ -19,6 +19,7 @@ from reference import (
     make_params,
     partly_resident_adamw,
     run_steps,
+    settled_cuda_memory,
 )
 
 pytestmark = pytest.mark.cuda
@@ -268,6 +269,11 @@ def _auto_loop(mode: str, width: int, headroom_share: float | None = None) -> tu
     """
     from chunked_offload.budget import read_device_memory
 
+    # The budget reads the process's reserved peak: what the loops before this one reserved, and the cached blocks
+    # they left, are not this loop's (run first in a process, the earlier all-resident loop's peak counted as this
+    # one's training, and its cached blocks made the peak rise after the re-plan: the budget shrank to nothing).
+    settled_cuda_memory()
+    torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
     model = _Mlp(width=width).to("cuda")
     inner = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3, device="cuda"), fused=True)
