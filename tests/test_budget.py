@@ -188,6 +188,9 @@ def test_every_iteration_mode_replans_between_steps_and_stays_bitwise(mode: str)
             o.zero_grad()
         residents.append(opt.plan.resident_nbytes)
     assert residents[0] == 0 and residents[3] > 0 and residents[5] < residents[3]
+    # The first reading follows a step run as the later ones: the second in sync, the third in the fast modes (whose
+    # first step runs as a synchronous one, [Note: Auto budget]).
+    assert (residents[1] > 0) is (mode == "sync") and residents[2] > 0
     model(torch.zeros(1, 16))  # the forward that waits for (or enqueues) the last step
     opt.synchronize()
     for a, b in zip(ref_model.parameters(), model.parameters(), strict=True):

@@ -66,14 +66,20 @@ class AutoBudget:
     """Re-plans the resident share so that the wrapper fills the device memory the training leaves unused.
 
     [Note: Auto budget]
-    The first step runs fully offloaded. From the second step on, before the step opens (between steps only), the
-    budget reads the allocator's reserved peak ``P`` over the iterations so far, and what the process could hold,
+    The first step runs fully offloaded. From the second step on (the third with ``overlap=True`` or
+    ``step_in_backward=True``), before the step opens (between steps only), the budget reads the allocator's reserved
+    peak ``P`` over the iterations so far, and what the process could hold,
     ``C`` (free device memory plus what the allocator reserved). The training's own peak is ``U = P - R``, ``R``
     the resident state the wrapper held meanwhile; ``U`` includes the staging window when the peak fell inside a
     step, and bounds the step's memory when it did not. So resident state may take ``C - headroom - U``, and the
     budget is that plus the staging window: never below the window. The plan keeps as many leading params resident
     as it allows ([Note: What stays resident]).
 
+    - The first reading must follow a step that ran as the later ones will. The first step of the fast modes runs
+      as a synchronous one, so only the interval after the second holds what they keep across the forward or the
+      backward (the slots of deferred chunks and the step's copies of their grads, the slot whose write-back waits).
+      Read after the first, with the headroom set to leave room for half the state, the budget grew to half, the
+      next interval peaked 386 MiB higher, and it shrank to nothing (``tests/cuda/test_iteration_cuda.py``, H100).
     - It grows once resident state may take at least one slot more than it holds, and only until it has shrunk
       once: after a shrink, an interval whose training peak grew by less than the state that left the device
       does not raise ``P``, so ``U`` can no longer be told from above.
@@ -90,6 +96,7 @@ class AutoBudget:
     Args:
         placement: owns the layout; its budget (``Placement.set_budget``) is what this class sets.
         headroom: bytes left free beside the measured peak ([Note: Headroom]).
+        first: the number of steps opened before the first reading (1; 2 in the fast modes).
         read: reads the device's memory (tests pass their own).
     """
 
@@ -97,10 +104,12 @@ class AutoBudget:
         self,
         placement: Placement,
         headroom: int,
+        first: int = 1,
         read: Callable[[torch.device], MemoryReading | None] = read_device_memory,
     ) -> None:
         self.placement = placement
         self.headroom = headroom
+        self.first = first
         self.read = read
         self.checked = -1  # the number of steps opened when the memory was last read
         self.usage = 0  # the training's own peak, U
@@ -108,9 +117,9 @@ class AutoBudget:
         self.may_grow = True  # until a shrink, or a growth that found no device memory
 
     def before_step(self, opened: int) -> None:
-        """Before a step opens, ``opened`` steps after the first: read the memory, and re-plan when the budget
-        moved ([Note: Auto budget]). Once per step (``prefetch()`` comes here too)."""
-        if opened < 1 or opened == self.checked:
+        """Before a step opens, with ``opened`` steps opened before it: read the memory, and re-plan when the
+        budget moved ([Note: Auto budget]). Once per step (``prefetch()`` comes here too)."""
+        if opened < self.first or opened == self.checked:
             return
         self.checked = opened
         reading = self.read(self.placement.device)
@@ -153,9 +162,9 @@ class AutoBudget:
         )  # fmt: skip
 
 
-def auto_budget(placement: Placement, headroom: int | None, notices: Notices) -> AutoBudget | None:
-    """The budget of ``gpu_budget_mb="auto"`` (None without it, ``headroom`` in bytes); without a GPU it has nothing
-    to fill, and says so."""
+def auto_budget(placement: Placement, headroom: int | None, notices: Notices, *, fast: bool) -> AutoBudget | None:
+    """The budget of ``gpu_budget_mb="auto"`` (None without it, ``headroom`` in bytes; ``fast``: overlap or in the
+    backward); without a GPU it has nothing to fill, and says so."""
     if headroom is None:
         return None
     if placement.device.type != "cuda":
@@ -164,4 +173,4 @@ def auto_budget(placement: Placement, headroom: int | None, notices: Notices) ->
             f"gpu_budget_mb='auto' does nothing with params on {placement.device}: it fills free GPU memory with "
             "resident state. Leave it out on the CPU",
         )
-    return AutoBudget(placement, headroom)
+    return AutoBudget(placement, headroom, first=2 if fast else 1)

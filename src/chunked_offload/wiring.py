@@ -158,7 +158,7 @@ def build_parts(
     schedule = StepSchedule(pipeline, adapter, device)
     runner = StepRunner(
         placement, context, schedule, phase, notices, mode=options.mode, post_hooks=post_hooks, grad_hooks=grad_hooks,
-        budget=auto_budget(placement, options.headroom, notices),
+        budget=auto_budget(placement, options.headroom, notices, fast=options.mode is not StepMode.SYNC),
     )  # fmt: skip
     runner_ref = weakref.ref(runner)
     return Parts(

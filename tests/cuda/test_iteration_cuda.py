@@ -265,13 +265,12 @@ def test_stepping_in_backward_raced_by_the_rest_of_the_backward_stays_exact(
 def _auto_loop(mode: str, width: int, headroom_share: float | None = None) -> tuple[_Mlp, ChunkedOffloadOptimizer]:
     """5 steps of an MLP with gpu_budget_mb="auto" (mode overlap/backward) or the synchronous wrapper ("sync").
 
-    ``headroom_share``: after the first iteration, set the headroom so that the spare holds that share of the state.
+    ``headroom_share``: before the step that first reads the memory (the third, [Note: Auto budget]), set the
+    headroom so that the spare holds that share of the state.
     """
     from chunked_offload.budget import read_device_memory
 
-    # The budget reads the process's reserved peak: what the loops before this one reserved, and the cached blocks
-    # they left, are not this loop's (run first in a process, the earlier all-resident loop's peak counted as this
-    # one's training, and its cached blocks made the peak rise after the re-plan: the budget shrank to nothing).
+    # The budget reads the process's reserved peak: what the loops before this one reserved is not this loop's.
     settled_cuda_memory()
     torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
@@ -288,7 +287,7 @@ def _auto_loop(mode: str, width: int, headroom_share: float | None = None) -> tu
     for step in range(5):
         x = torch.randn(64, width, device="cuda", generator=gen)
         model(x).float().square().mean().backward()
-        if step == 1 and headroom_share is not None:
+        if step == 2 and headroom_share is not None:
             reading = read_device_memory(torch.device("cuda"))
             budget = internals(opt).runner.budget
             assert reading is not None and budget is not None
