@@ -3,7 +3,8 @@
 # H200 with --titan, 7 with --disk too; logs under $OUT):
 #   CHUNKED_OFFLOAD_SHA=$(git rev-parse --short HEAD) bash scripts/gpu_perf.sh [--slots N] [--ab] [--titan] [--disk]
 #   bench_train  resident, the "auto" modes and in-backward at 8 and 16 x 2048, 1 GiB chunks, N slots (3, as in the
-#                performance issues), timing only, with profiler traces (trace_summary.py: GPU idle per iteration,
+#                performance issues), 3 warm-up iterations ("auto" in the fast modes re-plans before the third
+#                step), timing only, with profiler traces (trace_summary.py: GPU idle per iteration,
 #                the main stream's busy and idle time, host ms per chunk, GPU time by kernel; the traces are deleted)
 #   --ab         bench_train again with resident chunks copied for rollback (--rollback-copy, the code before
 #                one-op updates), untraced, then the one-op run again untraced: A, B, A on one machine
@@ -35,16 +36,16 @@ export PYTHONPATH="$root/src:$root/tests:$root/benchmarks${PYTHONPATH:+:$PYTHONP
 export CHUNKED_OFFLOAD_SHA=${CHUNKED_OFFLOAD_SHA:-unknown}
 cd benchmarks
 summary=()
-python3 bench_train.py --batches 8,16 --num-slots "$slots" --warmup 2 --iters 5 --skip-exact --trace "$out/traces" \
+python3 bench_train.py --batches 8,16 --num-slots "$slots" --warmup 3 --iters 5 --skip-exact --trace "$out/traces" \
   --variants resident,sync-auto,overlap-auto,backward-auto,backward > "$out/bench_train.log" 2>&1
 summary+=("bench_train rc=$?")
 python3 trace_summary.py "$out/traces" --kernels 12 > "$out/trace_summary.log" 2>&1
 rm -rf "$out/traces"
 if [ $ab -eq 1 ]; then
-  python3 bench_train.py --batches 8,16 --num-slots "$slots" --warmup 2 --iters 5 --skip-exact --rollback-copy \
+  python3 bench_train.py --batches 8,16 --num-slots "$slots" --warmup 3 --iters 5 --skip-exact --rollback-copy \
     --variants resident,sync-auto,overlap-auto,backward-auto > "$out/bench_train_rollback_copy.log" 2>&1
   summary+=("bench_train --rollback-copy rc=$?")
-  python3 bench_train.py --batches 8,16 --num-slots "$slots" --warmup 2 --iters 5 --skip-exact \
+  python3 bench_train.py --batches 8,16 --num-slots "$slots" --warmup 3 --iters 5 --skip-exact \
     --variants resident,sync-auto,overlap-auto,backward-auto > "$out/bench_train_one_op.log" 2>&1
   summary+=("bench_train one-op, untraced rc=$?")
 fi
