@@ -52,7 +52,7 @@ fi
 python3 bench_step.py --workloads adamw --chunks-mb 256,1024 --iters 6 > "$out/bench_step.log" 2>&1
 summary+=("bench_step rc=$?")
 if [ $titan -eq 1 ]; then
-  python3 bench_titan.py --skip-exact --variants resident,resident-masters,sync,overlap,overlap-auto,backward --warmup 2 \
+  python3 bench_titan.py --skip-exact --variants resident,resident-masters,sync,overlap,overlap-auto,backward --warmup 3 \
     --iters 4 > "$out/bench_titan.log" 2>&1
   summary+=("bench_titan rc=$?")
 fi
