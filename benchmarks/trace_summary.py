@@ -55,14 +55,15 @@ def summarise(path: Path, iters: int) -> dict[str, float]:
     kernel_us: dict[Any, float] = {}
     for e in events:
         if e.get("cat") == "kernel":
-            kernel_us[_stream(e)] = kernel_us.get(_stream(e), 0.0) + e["dur"]
+            stream = _stream(e)
+            kernel_us[stream] = kernel_us.get(stream, 0.0) + e["dur"]
     main = max(kernel_us, key=kernel_us.__getitem__, default=None)
     main_busy = busy_us([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in GPU and _stream(e) == main])
     return {
         "span_ms": span / 1e3 / iters,
         "idle_ms": (span - busy_us(gpu)) / 1e3 / iters,
         "main_busy_ms": main_busy / 1e3 / iters,
-        "main_idle_ms": (span - main_busy) / 1e3 / iters if gpu else 0.0,
+        "main_idle_ms": (span - main_busy) / 1e3 / iters,
         "chunks": len(chunks) / iters,
         "host_ms_per_chunk": statistics.mean(chunks) / 1e3 if chunks else 0.0,
     }
