@@ -197,6 +197,29 @@ def test_every_iteration_mode_replans_between_steps_and_stays_bitwise(mode: str)
         assert_equal(a, b)
 
 
+def test_a_replan_gives_the_allocators_cache_back_before_and_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cached blocks that no request of the new layout fits must not count as the training's next peak: the cache
+    is emptied before the new homes are built and after the old ones are freed, and only where the plan moves."""
+    ref, ref_params, opt, params = _auto(gpu_headroom_mb=0)
+    state, window = _state_bytes(opt), opt.plan.window_bound_nbytes
+    FakeDevice(opt, capacity=_MIB + window + state, usage=_MIB)
+    placement = internals(opt).placement
+    events: list[tuple[str, int]] = []
+    internals(opt).runner.budget.release = lambda device: events.append(("release", opt.plan.resident_nbytes))
+    original = placement.sync
+
+    def sync(*, force: bool = False, strict: bool = True) -> None:
+        original(force=force, strict=strict)
+        if force:
+            events.append(("sync", opt.plan.resident_nbytes))
+
+    monkeypatch.setattr(placement, "sync", sync)
+    for k in range(5):
+        _step_both(ref, ref_params, opt, params, k)
+    assert events == [("release", 0), ("sync", state), ("release", state)]  # one growth, then nothing moves
+    _assert_same(ref, ref_params, opt, params)
+
+
 def _failing_replans(opt: ChunkedOffloadOptimizer, monkeypatch: pytest.MonkeyPatch, error: BaseException) -> list:
     """Every forced re-plan raises ``error`` (before anything is installed) while the returned list is non-empty."""
     placement = internals(opt).placement
