@@ -1,6 +1,6 @@
 """Summarise profiler traces (``bench_train.py --trace DIR``): GPU idle per iteration and host ms per chunk.
 
-    python benchmarks/trace_summary.py DIR [--iters 2] [--ops 12]
+    python benchmarks/trace_summary.py DIR [--iters 2] [--ops 12] [--kernels 12] [--gaps 6]
 
 GPU idle is the part of the span from the first to the last GPU activity (kernels, copies, memsets, on any stream)
 in which none runs, divided by the iterations traced. The main stream is the one with the most kernel time (the
@@ -10,6 +10,9 @@ it waits for the host or for another stream (a step's exposed tail). Host ms per
 trace, the N host ops with the most self time inside those scopes (ms per chunk, calls per chunk): where the host
 time of a chunk goes. ``--kernels N`` lists, per trace, the N kernel names with the most GPU time per iteration,
 and the N with the most GPU idle just before them (which work the GPU waited for: compare a mode with resident).
+``--gaps N`` lists, per trace, the main stream's N longest gaps, the work on either side of each, and what the other
+streams ran inside it: what the caller's stream waited for (a step's kernels, or a copy that a small device-to-host
+read of the caller queued behind on the copy engine).
 """
 
 from __future__ import annotations
@@ -47,17 +50,22 @@ def _stream(e: dict[str, Any]) -> Any:
     return e.get("args", {}).get("stream", e.get("tid"))
 
 
-def summarise(path: Path, iters: int) -> dict[str, float]:
-    events = _events(path)
-    gpu = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in GPU]
-    chunks = [e["dur"] for e in events if e.get("name") == CHUNK and e.get("cat") == "user_annotation"]
-    span = max(b for _, b in gpu) - min(a for a, _ in gpu) if gpu else 0.0
+def _main_stream(events: list[dict[str, Any]]) -> Any:
+    """The stream with the most kernel time: the caller's."""
     kernel_us: dict[Any, float] = {}
     for e in events:
         if e.get("cat") == "kernel":
             stream = _stream(e)
             kernel_us[stream] = kernel_us.get(stream, 0.0) + e["dur"]
-    main = max(kernel_us, key=kernel_us.__getitem__, default=None)
+    return max(kernel_us, key=kernel_us.__getitem__, default=None)
+
+
+def summarise(path: Path, iters: int) -> dict[str, float]:
+    events = _events(path)
+    gpu = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in GPU]
+    chunks = [e["dur"] for e in events if e.get("name") == CHUNK and e.get("cat") == "user_annotation"]
+    span = max(b for _, b in gpu) - min(a for a, _ in gpu) if gpu else 0.0
+    main = _main_stream(events)
     main_busy = busy_us([(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in GPU and _stream(e) == main])
     return {
         "span_ms": span / 1e3 / iters,
@@ -126,12 +134,36 @@ def kernel_rows(path: Path, iters: int) -> tuple[list[tuple[str, float]], list[t
     return rows(time), rows(idle_before)
 
 
+def main_gaps(path: Path, n: int, least_us: float = 300.0) -> list[tuple[float, str, str, list[tuple[str, float]]]]:
+    """The main stream's ``n`` longest gaps of at least ``least_us``: ``(ms, work before, work after, [(stream: work,
+    ms inside the gap)])``, longest first; other streams' work is summed by stream and name, most time first."""
+    gpu = [e for e in _events(path) if e.get("cat") in GPU]
+    main = _main_stream(gpu)
+    mine = sorted((e for e in gpu if _stream(e) == main), key=lambda e: e["ts"])
+    found = []
+    for a, b in zip(mine, mine[1:], strict=False):
+        start, end = a["ts"] + a["dur"], b["ts"]
+        if end - start < least_us:
+            continue
+        inside: dict[str, float] = {}
+        for e in gpu:
+            overlap = min(end, e["ts"] + e["dur"]) - max(start, e["ts"])
+            if _stream(e) != main and overlap > 0:
+                key = f"{_stream(e)}: {_short(e['name'])}"
+                inside[key] = inside.get(key, 0.0) + overlap / 1e3
+        found.append(
+            ((end - start) / 1e3, _short(a["name"]), _short(b["name"]), sorted(inside.items(), key=lambda r: -r[1]))
+        )
+    return sorted(found, key=lambda r: -r[0])[:n]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("traces", type=Path, help="a directory of *.json.gz traces, or one trace")
     parser.add_argument("--iters", type=int, default=2, help="iterations in each trace (bench_train traces 2)")
     parser.add_argument("--ops", type=int, default=0, metavar="N", help="the N host ops with most self time per chunk")
     parser.add_argument("--kernels", type=int, default=0, metavar="N", help="the N kernels with most time, idle before")
+    parser.add_argument("--gaps", type=int, default=0, metavar="N", help="the main stream's N longest gaps, and why")
     args = parser.parse_args()
     paths = sorted(args.traces.glob("*.json*")) if args.traces.is_dir() else [args.traces]
     print(
@@ -157,6 +189,12 @@ def main() -> None:
         for row in range(min(args.kernels, len(time))):
             (k1, t), (k2, i) = time[row], idle[row] if row < len(idle) else ("", 0.0)
             print(f"  {k1:60} {t:8.2f} | {k2:60} {i:7.2f}")
+    for path in paths if args.gaps else []:
+        print(f"\n{path.name}: the main stream's longest gaps (ms), and the other streams' work inside them (ms)")
+        for ms, before, after, inside in main_gaps(path, args.gaps):
+            print(f"  {ms:6.2f} after {before!r}, before {after!r}")
+            for work, overlap in inside[:4]:
+                print(f"         {overlap:6.2f} {work}")
 
 
 if __name__ == "__main__":

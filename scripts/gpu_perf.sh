@@ -5,7 +5,8 @@
 #   bench_train  resident, the "auto" modes and in-backward at 8 and 16 x 2048, 1 GiB chunks, N slots (3, as in the
 #                performance issues), 3 warm-up iterations ("auto" in the fast modes re-plans before the third
 #                step), timing only, with profiler traces (trace_summary.py: GPU idle per iteration,
-#                the main stream's busy and idle time, host ms per chunk, GPU time by kernel; the traces are deleted)
+#                the main stream's busy and idle time and its longest gaps, host ms per chunk, GPU time by kernel;
+#                the traces are deleted)
 #   --ab         bench_train again with resident chunks copied for rollback (--rollback-copy, the code before
 #                one-op updates), untraced, then the one-op run again untraced: A, B, A on one machine
 #   bench_step   AdamW on 1e9 fp32 params at 256 MB and 1 GiB chunks, checked bitwise
@@ -39,7 +40,7 @@ summary=()
 python3 bench_train.py --batches 8,16 --num-slots "$slots" --warmup 3 --iters 5 --skip-exact --trace "$out/traces" \
   --variants resident,sync-auto,overlap-auto,backward-auto,backward > "$out/bench_train.log" 2>&1
 summary+=("bench_train rc=$?")
-python3 trace_summary.py "$out/traces" --kernels 12 > "$out/trace_summary.log" 2>&1
+python3 trace_summary.py "$out/traces" --kernels 12 --gaps 4 > "$out/trace_summary.log" 2>&1
 rm -rf "$out/traces"
 if [ $ab -eq 1 ]; then
   python3 bench_train.py --batches 8,16 --num-slots "$slots" --warmup 3 --iters 5 --skip-exact --rollback-copy \

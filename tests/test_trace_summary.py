@@ -71,3 +71,21 @@ def test_kernel_rows_give_each_kernels_time_and_the_idle_just_before_it(tmp_path
     assert dict(time) == {"adam": 20 / 1e3, "gpu_memcpy": 8 / 1e3, "norm": 5 / 1e3}
     assert dict(idle) == {"gpu_memcpy": 2 / 1e3, "adam": 10 / 1e3}
     assert [name for name, _ in idle] == ["adam", "gpu_memcpy"]  # most idle first
+
+
+def test_main_gaps_name_what_the_callers_stream_waited_for(tmp_path: Path) -> None:
+    # The main stream (7, most kernel time) runs fwd [0, 100), waits, read [112, 113), waits, bwd [113.1, 200): a
+    # 12 us gap in which stream 9 wrote back [90, 111) and stepped [100, 105); a 0.1 us gap under the floor.
+    events = [
+        _event("fwd", "kernel", 0, 100, tid=7),
+        _event("Memcpy DtoH", "gpu_memcpy", 112, 1, tid=7),
+        _event("bwd<float>", "kernel", 113.1, 86.9, tid=7),
+        _event("Memcpy DtoH", "gpu_memcpy", 90, 21, tid=9),
+        _event("adam", "kernel", 100, 5, tid=9),
+        _event("Memcpy HtoD", "gpu_memcpy", 150, 10, tid=9),  # outside every gap
+    ]
+    gaps = trace_summary.main_gaps(_write(tmp_path, events), n=5, least_us=1)
+    assert len(gaps) == 1
+    ms, before, after, inside = gaps[0]
+    assert (ms, before, after) == (12 / 1e3, "fwd", "Memcpy DtoH")
+    assert inside == [("9: Memcpy DtoH", 11 / 1e3), ("9: adam", 5 / 1e3)]
