@@ -101,15 +101,20 @@ def _raw_state(opt: ChunkedOffloadOptimizer, model: _Net) -> list[dict[str, Any]
     return [dict(dict.get(table, p, {})) for p in model.parameters()]
 
 
+@pytest.mark.parametrize("slots", [2, 3])
 @pytest.mark.parametrize("reader", ["synchronize", "state_dict", "write", "load", "offload", "replan"])
-def test_the_last_chunks_write_back_is_held_until_the_host_copies_are_used(reader: str) -> None:
-    """[Note: Held write-back]: the chunk the backward finishes last (the embedding's) keeps its write-back in its
-    slot after the step; whatever reads or writes the host copies lands it first, and training stays bitwise."""
-    plain, backward = _train("plain", steps=3), _train("backward", steps=3)
+def test_the_last_chunks_write_backs_are_held_until_the_host_copies_are_used(reader: str, slots: int) -> None:
+    """[Note: Held write-back]: the chunks the backward finishes last (the embedding's last) keep their write-backs
+    in their slots after the step, one with two slots and two with more; whatever reads or writes the host copies
+    lands them first, and training stays bitwise."""
+    plain, backward = _train("plain", steps=3), _train("backward", steps=3, num_slots=slots)
     model, opt = backward[0], backward[1]
     pipeline = internals(opt).pipeline
-    assert (held := pipeline.held_chunk) is not None and 0 in held.params  # the embedding: its grad is final last
-    assert [s for s in internals(opt).pool.slots if s.buffer is not None] == [pipeline.held_slot]
+    held = pipeline.held_chunks
+    assert len(held) == slots - 1 and 0 in held[-1].params  # the embedding: its grad is final last
+    assert [s for s in internals(opt).pool.slots if s.buffer is not None] == sorted(
+        pipeline.held_slots, key=lambda s: s.index
+    )
     if reader == "synchronize":
         opt.synchronize()
     elif reader == "state_dict":
@@ -123,7 +128,7 @@ def test_the_last_chunks_write_back_is_held_until_the_host_copies_are_used(reade
         opt.offload()
     else:
         opt.replan()
-    assert pipeline.held_slot is None and not internals(opt).pool.allocated
+    assert not pipeline.held_slots and not internals(opt).pool.allocated
     for got, want in zip(_raw_state(opt, model), _raw_state(plain[1], plain[0]), strict=True):
         assert got.keys() == want.keys()
         for key in got:
@@ -357,7 +362,7 @@ def test_reentrant_checkpointing_steps_every_chunk_once(head_outside: bool) -> N
             opt.step()
             opt.zero_grad()
         opt.wait_step()
-        held = [] if internals(opt).pipeline.held_slot is None else [internals(opt).pipeline.held_slot]
+        held = internals(opt).pipeline.held_slots
         assert [s for s in internals(opt).pool.slots if s.buffer is not None] == held  # [Note: Held write-back]
         assert bool(held) is (mode == "backward")
         opt.synchronize()

@@ -129,8 +129,7 @@ class BackwardSchedule:
     # ------------------------------------------------------------------ driven by the hooks
     def begin(self) -> None:
         """Take the slots' memory and start the H2D of the chunks expected first, one per slot."""
-        held = self.pipeline.held_slot
-        if held is not None:
+        for held in self.pipeline.held_slots:
             self._last_used[held.index] = -1  # its write-back is enqueued now, last: it stages last
         try:
             self.pipeline.start(self.expected, [self._fresh[c.index] for c in self.expected], depth=0)
@@ -155,7 +154,8 @@ class BackwardSchedule:
             return  # stepped already (a param whose grad is accumulated twice in one backward)
         waiting.discard(index)
         if not waiting:
-            self._run(chunk, last=all(c in self._not_ahead for c in self._open if c != chunk.index))
+            left = sum(c != chunk.index and c not in self._not_ahead for c in self._open)
+            self._run(chunk, hold=left < self.pipeline.hold_limit)
 
     def close_with_backward(self) -> None:
         """Close the step at the end of the outermost backward pass ([Note: Watching the backward])."""
@@ -166,8 +166,8 @@ class BackwardSchedule:
         if self.closed:
             return
         remaining = [c for c in self.expected if c.index in self._open and self.pipeline.grads(c)]
-        for chunk in remaining:
-            self._run(chunk, last=chunk is remaining[-1])
+        for k, chunk in enumerate(remaining):
+            self._run(chunk, hold=len(remaining) - 1 - k < self.pipeline.hold_limit)
         with self.pipeline.gate.stepping():
             self.record.compute_done()
         if self._staged:
@@ -195,9 +195,9 @@ class BackwardSchedule:
         return len(self._done)
 
     # ------------------------------------------------------------------ one chunk
-    def _run(self, chunk: Chunk, last: bool) -> None:
-        """Step ``chunk``; ``last``: no other chunk is expected in this backward, so its write-back is held
-        ([Note: Held write-back] in pipeline.py)."""
+    def _run(self, chunk: Chunk, hold: bool) -> None:
+        """Step ``chunk``; ``hold``: fewer than ``hold_limit`` other chunks are expected in this backward, so its
+        write-back is held ([Note: Held write-back] in pipeline.py)."""
         pipeline = self.pipeline
         del self._open[chunk.index]
         self._keep_grads_alive(chunk)
@@ -206,13 +206,14 @@ class BackwardSchedule:
         pending: Pending | None = None
         try:
             with record_function(CHUNK_SCOPE):
-                pipeline.flush_write_back()  # a chunk held as the last one was not: its slot may be needed
+                # Chunks held as the last ones were not (all of them, unless this one is held too): a slot is needed.
+                pipeline.flush_write_back(keep=pipeline.hold_limit - 1 if hold else 0)
                 slot, matched, event = self._slot_for(chunk)
                 with pipeline.gate.stepping():
                     if not fresh and not matched:
                         event = pipeline.stage(chunk, slot)
                     pending = pipeline.step(chunk, slot, fresh, event, self.counters)
-                    pipeline.commit(chunk, pending, hold=last)
+                    pipeline.commit(chunk, pending, hold=hold)
                     pending = None
                     self.grads.record([(i, pipeline.grad_of(i)) for i in chunk.params])
                 self._last_used[slot.index] = position
@@ -236,7 +237,8 @@ class BackwardSchedule:
             if staged.index == chunk.index:
                 del self._staged[index]
                 return slots[index], True, event
-        idle = [s for s in slots if s.index not in self._staged]
+        held = self.pipeline.held_slots
+        idle = [s for s in slots if s.index not in self._staged and not any(s is h for h in held)]
         if idle:
             return min(idle, key=self._age), False, None
         index = max(self._staged, key=lambda k: self._position[self._staged[k][0].index])
@@ -249,8 +251,8 @@ class BackwardSchedule:
     def _fill(self) -> None:
         """Start the H2D of the next expected chunks into the slots that hold none, the one used longest ago first
         (its write-back is the furthest along): the link runs up to ``num_slots`` chunks ahead of the backward."""
-        held = self.pipeline.held_slot
-        idle = [s for s in self.pipeline.pool.slots if s.index not in self._staged and s is not held]
+        held = self.pipeline.held_slots
+        idle = [s for s in self.pipeline.pool.slots if s.index not in self._staged and not any(s is h for h in held)]
         for slot in sorted(idle, key=self._age):
             chunk = self._next_to_stage()
             if chunk is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 import torch
 
@@ -135,14 +136,14 @@ class StagingPool:
                 self.release_slot(slot, None)
             raise
 
-    def release(self, stream: torch.cuda.Stream | None, keep: Slot | None = None) -> None:
+    def release(self, stream: torch.cuda.Stream | None, keep: Sequence[Slot] = ()) -> None:
         """Hand the slots' memory back to the allocator, which reuses it once ``stream``'s work so far is done.
 
-        Every slot but ``keep`` returns to FREE. The caller has ordered ``stream`` after every copy that touches
-        the slots.
+        Every slot but those in ``keep`` returns to FREE. The caller has ordered ``stream`` after every copy that
+        touches the slots.
         """
         for slot in self.slots:
-            if slot is not keep:
+            if not any(slot is k for k in keep):
                 self.release_slot(slot, stream)
 
     def release_slot(self, slot: Slot, stream: torch.cuda.Stream | None) -> None:
