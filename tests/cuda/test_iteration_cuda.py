@@ -247,19 +247,23 @@ def test_stats_report_the_link_and_the_memory() -> None:
     print(f"\n{stats}")
 
 
-@pytest.mark.parametrize("master", ["none", "fp32"])
+@pytest.mark.parametrize("master,num_slots", [("none", 2), ("fp32", 2), ("fp32", 3)])
 def test_stepping_in_backward_raced_by_the_rest_of_the_backward_stays_exact(
-    monkeypatch: pytest.MonkeyPatch, master: str
+    monkeypatch: pytest.MonkeyPatch, master: str, num_slots: int
 ) -> None:
     """Chunks step on the gate's stream while the backward goes on; each waits for its grads, and the next forward
-    waits for its own params' chunk."""
+    waits for its own params' chunk. With 3 slots the last two chunks' write-backs are held into the next step,
+    whose H2D of each waits for its own copy ([Note: Held write-back])."""
     plain = _train(overlap=False, attach=False, master=master, clip=False)
     with monkeypatch.context() as patch:
         _slow_chunks(patch)
-        in_backward = _train(overlap=False, attach=True, master=master, clip=False, step_in_backward=True)
+        in_backward = _train(
+            overlap=False, attach=True, master=master, clip=False, step_in_backward=True, num_slots=num_slots
+        )
     _assert_models_equal(plain, in_backward)
     stats = in_backward[1].stats
     assert stats is not None and stats.chunks >= 8
+    assert internals(in_backward[1]).runner.pipeline.hold_limit == num_slots - 1
 
 
 def _auto_loop(mode: str, width: int, headroom_share: float | None = None) -> tuple[_Mlp, ChunkedOffloadOptimizer]:
