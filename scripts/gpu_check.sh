@@ -79,6 +79,8 @@ if [ $sanitize -eq 1 ]; then
   # the visible GPUs. On the one-GPU H200 (16 cores) the six processes took 466 s at most (0eb731e).
   ids="$out/sanitize_ids.txt"
   cuda_ids ${SANITIZE_FILES:-tests} > "$ids"
+  # No ids (a SANITIZE_FILES that selects nothing) would run pytest with no arguments: every test, CPU ones too.
+  [ -s "$ids" ] || { echo "SANITIZE_FILES=${SANITIZE_FILES:-tests} selects no cuda test"; exit 2; }
   gpus=$(python3 -c "import torch; print(max(1, torch.cuda.device_count()))")
   shards=${SANITIZE_SHARDS:-3} job=0 logs=()
   for tool in ${SANITIZE_TOOLS:-memcheck synccheck}; do
