@@ -132,6 +132,9 @@ def _committed(exc: BaseException, n_chunks: int) -> int:
     if "before any chunk was stepped" in note:
         return 0
     match = re.search(r"chunk (\d+) of the (\d+) with grads: the (\d+) before it were committed, it (was \w+)", note)
+    match = match or re.search(  # a step in the backward: in the order its chunks ran
+        r"chunk (\d+) of the (\d+) of the plan: the (\d+) stepped before it were committed, it (was \w+)", note
+    )
     assert match, f"no commit note on {exc!r}: {note!r}"
     position, total, before, fate = int(match[1]) - 1, int(match[2]), int(match[3]), match[4]
     assert total == n_chunks and before == position
@@ -258,4 +261,74 @@ def test_a_deferred_chunk_that_fails_in_the_forward_commits_whole_chunks(
 
     run_steps(opt, params, 3, first_step=3)  # the wrapper is usable, and goes on exactly
     run_steps(twin, twin_params, 3, first_step=3)
+    _assert_same(twin, twin_params, opt, params)
+
+
+def _backward_of(params: list[torch.nn.Parameter], step: int) -> None:
+    """A backward whose grads are ``make_grads(params, step)``, final param by param (the last param's first)."""
+    grads = make_grads(params, step)
+    loss = sum((p * g).sum() for p, g in zip(params, grads, strict=True) if g is not None)
+    assert isinstance(loss, torch.Tensor)
+    loss.backward()
+
+
+@pytest.mark.parametrize("slots", [2, 3])
+@pytest.mark.parametrize("target", [0, 2, -2, -1], ids=["first", "third", "second-last", "last"])
+@pytest.mark.parametrize("step", ["first", "later"])
+@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize("config", ["adamw", "adamw-fp32-masters", "adamw-fused-resident-masters"])
+def test_a_failed_step_in_the_backward_commits_whole_chunks_and_goes_on_exactly(
+    monkeypatch: pytest.MonkeyPatch, config: str, point: str, step: str, target: int, slots: int
+) -> None:
+    """With ``step_in_backward=True`` the failure leaves the backward with a note of what was committed, in the
+    order the chunks ran. It can come before any chunk steps (the slots, the first H2Ds, a write-back held from the
+    last step: [Note: Held write-back]) or in any chunk, the held ones among them."""
+    from chunked_offload.in_backward import BackwardSchedule
+    from test_deferred import Chain
+
+    if (point == "fresh-alloc") != (step == "first") and point in ("fresh-alloc", "h2d", "slots"):
+        pytest.skip("fresh chunks allocate their own memory; staged chunks take slots and an H2D")
+    if point.startswith("update") and "fused" not in config:
+        pytest.skip("only fused AdamW calls torch._fused_adamw_")
+    dtype = _dtype(config)
+    params = make_params(SHAPES, dtype)
+    opt = ChunkedOffloadOptimizer(
+        _inner(config, params), chunk_size_mb=0.002, num_slots=slots, step_in_backward=True, **CONFIGS[config]
+    )
+    opt.attach(Chain(params))
+    chunks = opt.plan.all_chunks
+    twin_params = make_params(SHAPES, dtype)
+    twin: Any = _wrap(config, twin_params) if dtype == torch.bfloat16 else _inner(config, twin_params)
+    first = 0 if step == "first" else 2
+    for k in range(first):  # the first step learns the backward's order; from the second, chunks step in it
+        _backward_of(params, k)
+        opt.step()
+        opt.zero_grad()
+    run_steps(twin, twin_params, first)
+    order: list[int] = []  # chunk indices in the order this step ran them
+    run = BackwardSchedule._run
+    monkeypatch.setattr(BackwardSchedule, "_run", lambda self, c, hold: order.append(c.index) or run(self, c, hold))
+    with (
+        _fault(monkeypatch, point, target % len(chunks)),
+        pytest.raises((Injected, KeyboardInterrupt, torch.OutOfMemoryError)) as info,
+    ):
+        _backward_of(params, first)
+        opt.step()  # the first step of all steps here, as plain torch
+
+    assert all(slot.state.value == "free" and slot.buffer is None for slot in internals(opt).pool.slots)
+    committed = _committed(info.value, len(chunks))
+    ran = order or [c.index for c in chunks]
+    stepped = {i for c in ran[:committed] for i in chunks[c].params}
+    grads = make_grads(twin_params, first)
+    set_grads(twin_params, [g if i in stepped else None for i, g in enumerate(grads)])
+    twin.step()
+    twin.zero_grad()
+    _assert_same(twin, twin_params, opt, params)
+
+    opt.zero_grad(set_to_none=True)
+    for k in range(first + 1, first + 4):  # the wrapper is usable, and goes on exactly
+        _backward_of(params, k)
+        opt.step()
+        opt.zero_grad()
+    run_steps(twin, twin_params, 3, first_step=first + 1)
     _assert_same(twin, twin_params, opt, params)

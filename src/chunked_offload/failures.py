@@ -26,7 +26,8 @@ def note_failure(
     this step (None where that is not known yet: a step in the backward).
     """
     if chunk is None:
-        note = f"chunked_offload: step() failed before any chunk was stepped; nothing was modified (of {total} chunks)"
+        what = "the step in the backward" if with_grads is None else "step()"
+        note = f"chunked_offload: {what} failed before any chunk was stepped; nothing was modified (of {total} chunks)"
     else:
         forward = committed > position
         fate = "was committed too (the failure came after its update)" if forward else "was rolled back"

@@ -134,8 +134,9 @@ class BackwardSchedule:
         try:
             self.pipeline.start(self.expected, [self._fresh[c.index] for c in self.expected], depth=0)
             self._fill()
-        except BaseException:
+        except BaseException as exc:  # the slots, the first H2Ds, a write-back held from the last step
             self.abort(None)
+            note_failure(exc, None, 0, 0, len(self.expected))
             raise
 
     def grad_ready(self, index: int) -> None:
