@@ -264,12 +264,21 @@ def test_a_deferred_chunk_that_fails_in_the_forward_commits_whole_chunks(
     _assert_same(twin, twin_params, opt, params)
 
 
-def _backward_of(params: list[torch.nn.Parameter], step: int) -> None:
-    """A backward whose grads are ``make_grads(params, step)``, final param by param (the last param's first)."""
+def _iterate(mode: str, chain: torch.nn.Module, params: list[torch.nn.Parameter], opt: Any, step: int) -> None:
+    """One iteration whose grads are ``make_grads(params, step)``: in the backward (final param by param, the last
+    param's first), or set by hand, with the next forward after the step (it runs an overlapped step's deferred
+    chunks)."""
     grads = make_grads(params, step)
-    loss = sum((p * g).sum() for p, g in zip(params, grads, strict=True) if g is not None)
-    assert isinstance(loss, torch.Tensor)
-    loss.backward()
+    if mode == "backward":
+        loss = sum((p * g).sum() for p, g in zip(params, grads, strict=True) if g is not None)
+        assert isinstance(loss, torch.Tensor)
+        loss.backward()
+    else:
+        set_grads(params, grads)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if mode == "overlap":
+        chain()
 
 
 @pytest.mark.parametrize("slots", [2, 3])
@@ -277,13 +286,14 @@ def _backward_of(params: list[torch.nn.Parameter], step: int) -> None:
 @pytest.mark.parametrize("step", ["first", "later"])
 @pytest.mark.parametrize("point", POINTS)
 @pytest.mark.parametrize("config", ["adamw", "adamw-fp32-masters", "adamw-fused-resident-masters"])
-def test_a_failed_step_in_the_backward_commits_whole_chunks_and_goes_on_exactly(
-    monkeypatch: pytest.MonkeyPatch, config: str, point: str, step: str, target: int, slots: int
+@pytest.mark.parametrize("mode", ["backward", "overlap"])
+def test_a_failed_fast_step_commits_whole_chunks_in_the_order_they_ran_and_goes_on_exactly(
+    monkeypatch: pytest.MonkeyPatch, mode: str, config: str, point: str, step: str, target: int, slots: int
 ) -> None:
-    """With ``step_in_backward=True`` the failure leaves the backward with a note of what was committed, in the
-    order the chunks ran. It can come before any chunk steps (the slots, the first H2Ds, a write-back held from the
-    last step: [Note: Held write-back]) or in any chunk, the held ones among them."""
-    from chunked_offload.in_backward import BackwardSchedule
+    """With ``step_in_backward=True`` or ``overlap=True`` the failure's note says what was committed, in the order
+    the chunks ran (an overlapped step runs its resident chunks first). It can come before any chunk steps (the
+    slots, the first H2Ds, a write-back held from the last step: [Note: Held write-back]), in any chunk (the held
+    ones, the deferred ones), in the backward, in ``step()`` or in the next forward."""
     from test_deferred import Chain
 
     if (point == "fresh-alloc") != (step == "first") and point in ("fresh-alloc", "h2d", "slots"):
@@ -292,33 +302,31 @@ def test_a_failed_step_in_the_backward_commits_whole_chunks_and_goes_on_exactly(
         pytest.skip("only fused AdamW calls torch._fused_adamw_")
     dtype = _dtype(config)
     params = make_params(SHAPES, dtype)
+    fast = {"step_in_backward": True} if mode == "backward" else {"overlap": True}
     opt = ChunkedOffloadOptimizer(
-        _inner(config, params), chunk_size_mb=0.002, num_slots=slots, step_in_backward=True, **CONFIGS[config]
+        _inner(config, params), chunk_size_mb=0.002, num_slots=slots, **fast, **CONFIGS[config]
     )
-    opt.attach(Chain(params))
+    chain = Chain(params)
+    opt.attach(chain)
     chunks = opt.plan.all_chunks
     twin_params = make_params(SHAPES, dtype)
     twin: Any = _wrap(config, twin_params) if dtype == torch.bfloat16 else _inner(config, twin_params)
     first = 0 if step == "first" else 2
-    for k in range(first):  # the first step learns the backward's order; from the second, chunks step in it
-        _backward_of(params, k)
-        opt.step()
-        opt.zero_grad()
+    for k in range(first):  # in the backward, the first step learns the order; from the second, chunks step in it
+        _iterate(mode, chain, params, opt, k)
     run_steps(twin, twin_params, first)
-    order: list[int] = []  # chunk indices in the order this step ran them
-    run = BackwardSchedule._run
-    monkeypatch.setattr(BackwardSchedule, "_run", lambda self, c, hold: order.append(c.index) or run(self, c, hold))
+    order: list[int] = []  # chunk indices in the order this iteration stepped them
+    run = ChunkPipeline.step
+    monkeypatch.setattr(ChunkPipeline, "step", lambda self, c, *a: order.append(c.index) or run(self, c, *a))
     with (
         _fault(monkeypatch, point, target % len(chunks)),
         pytest.raises((Injected, KeyboardInterrupt, torch.OutOfMemoryError)) as info,
     ):
-        _backward_of(params, first)
-        opt.step()  # the first step of all steps here, as plain torch
+        _iterate(mode, chain, params, opt, first)
 
     assert all(slot.state.value == "free" and slot.buffer is None for slot in internals(opt).pool.slots)
     committed = _committed(info.value, len(chunks))
-    ran = order or [c.index for c in chunks]
-    stepped = {i for c in ran[:committed] for i in chunks[c].params}
+    stepped = {i for c in order[:committed] for i in chunks[c].params}
     grads = make_grads(twin_params, first)
     set_grads(twin_params, [g if i in stepped else None for i, g in enumerate(grads)])
     twin.step()
@@ -327,8 +335,6 @@ def test_a_failed_step_in_the_backward_commits_whole_chunks_and_goes_on_exactly(
 
     opt.zero_grad(set_to_none=True)
     for k in range(first + 1, first + 4):  # the wrapper is usable, and goes on exactly
-        _backward_of(params, k)
-        opt.step()
-        opt.zero_grad()
+        _iterate(mode, chain, params, opt, k)
     run_steps(twin, twin_params, 3, first_step=first + 1)
     _assert_same(twin, twin_params, opt, params)
