@@ -493,3 +493,52 @@ def test_chunks_held_as_the_last_ones_that_were_not_still_land_and_stay_bitwise(
         opt.synchronize()
         runs.append((model, opt))
     _assert_same(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("slots", [2, 3])
+def test_a_group_whose_code_path_depends_on_every_grad_steps_at_the_end_of_the_backward(slots: int) -> None:
+    """[Note: Coupled params]: torch SGD (momentum, foreach) picks one code path per (dtype, device) group, the
+    per-tensor one if any param with a grad has no momentum buffer. The detour's first grad comes on the third step,
+    last in its backward, after its group's other chunks are final: while the detour has no buffer its group steps
+    at the end of the backward, the other group as its grads arrive, and both stay bitwise."""
+    import copy
+
+    from chunked_offload.in_backward import BackwardSchedule
+    from chunked_offload.pipeline import ChunkPipeline
+
+    def groups(m: _Detour) -> list[dict[str, Any]]:  # group 0: params 0..5 (the detour's first), group 1: 6..11
+        return [
+            {"params": [*m.detour.parameters(), *m.layers[:2].parameters()]},
+            {"params": [*m.layers[2:].parameters()]},
+        ]
+
+    torch.manual_seed(0)
+    plain_model = _Detour().to(torch.bfloat16)
+    model = copy.deepcopy(plain_model)
+    plain = torch.optim.SGD(groups(plain_model), lr=0.1, momentum=0.9, foreach=True)
+    inner = torch.optim.SGD(groups(model), lr=0.1, momentum=0.9, foreach=True)
+    opt = ChunkedOffloadOptimizer(inner, chunk_size_mb=2 * _KIB, num_slots=slots, step_in_backward=True)
+    events: list[Any] = []
+    step, close = ChunkPipeline.step, BackwardSchedule.close
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ChunkPipeline, "step", lambda self, c, *a: events.append(c.params) or step(self, c, *a))
+        patch.setattr(BackwardSchedule, "close", lambda self: events.append("end") or close(self))
+        gen = torch.Generator().manual_seed(1)
+        for k in range(4):
+            x = torch.randn(3, 16, generator=gen).to(torch.bfloat16)
+            events.clear()
+            for m, o in ((plain_model, plain), (model, opt)):
+                m(x, detour=k == 2).float().square().mean().backward()
+                o.step()
+                o.zero_grad()
+            if k in (1, 2, 3):
+                end = events.index("end")
+                coupled = [min(params) < 6 for params in events[:end] + events[end + 1 :]]
+                if k < 3:  # the detour has no buffer yet: its group waits for every grad
+                    assert not any(coupled[:end]) and all(coupled[end:]) and end > 0, events
+                else:
+                    assert any(coupled[:end]), events
+    opt.synchronize()
+    for (name, a), b in zip(plain_model.named_parameters(), model.parameters(), strict=True):
+        assert_equal(a, b, name)
+    assert_states_equal(plain, list(plain_model.parameters()), opt, list(model.parameters()))

@@ -122,3 +122,52 @@ def test_optim_db_case_matches_unwrapped(case: Case) -> None:
     for i, (a, b) in enumerate(zip(ref_params, params, strict=True)):
         assert_equal(a, b, f"param {i}")
     assert_states_equal(ref, ref_params, opt, params)
+
+
+FAST_CASES = [c for c in CASES if c.info.optim_cls.__name__ not in REFUSED and not c.kwargs.get("differentiable")]
+
+
+def _run_fast(mode: str, opt: ChunkedOffloadOptimizer, chain: torch.nn.Module, params: list, step: int) -> None:
+    """``_run``'s grads from a backward that steps, or set by hand for an overlapped step that the next forward
+    finishes (with its closure: a closure after a backward that stepped is refused)."""
+    grads = _grads(params, step)
+    if mode == "backward":
+        terms = [(p * g).sum() for p, g in zip(params, grads, strict=True) if g is not None]
+        if terms:
+            torch.stack(terms).sum().backward()
+        opt.step()
+    else:
+        _run(opt, params, step)
+        chain()
+    opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("mode", ["backward", "overlap"])
+@pytest.mark.parametrize("case", FAST_CASES, ids=[c.name for c in FAST_CASES])
+def test_optim_db_case_in_a_fast_mode_matches_unwrapped(case: Case, mode: str) -> None:
+    """Each case with ``step_in_backward=True`` (3 slots: the last two chunks' write-backs are held) or
+    ``overlap=True`` and an attached model. In the backward a param's first grad can come after its group's other
+    chunks are final, which decides torch SGD's code path for the group ([Note: Coupled params])."""
+    from test_deferred import Chain
+
+    shapes = MATRIX_SHAPES if case.info.optim_cls.__name__ == "Muon" else SHAPES
+    ref_params, params = make_params(shapes, case.dtype), make_params(shapes, case.dtype)
+    ref = _make(case, ref_params)
+    fast = {"step_in_backward": True, "num_slots": 3} if mode == "backward" else {"overlap": True}
+    opt = ChunkedOffloadOptimizer(_make(case, params), chunk_size_mb=0.002, **fast)
+    chain = Chain(params)
+    opt.attach(chain)
+    for step in range(STEPS):
+        try:
+            _run(ref, ref_params, step)
+        except Exception as plain:  # torch itself cannot step this: nor can the wrapper
+            with pytest.raises(type(plain)):
+                _run_fast(mode, opt, chain, params, step)
+            return
+        for p in ref_params:
+            p.grad = None
+        _run_fast(mode, opt, chain, params, step)
+    opt.synchronize()
+    for i, (a, b) in enumerate(zip(ref_params, params, strict=True)):
+        assert_equal(a, b, f"param {i}")
+    assert_states_equal(ref, ref_params, opt, params)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -113,11 +114,15 @@ class OpenStep:
         counters: the group counters, snapshot after the hyperparameter copies went in.
         record: the step's telemetry.
         stack: what the closing undoes (GradScaler's forwarded tensors, the hyperparameter copies).
+        coupled: the groups whose updates may depend on which of their params have grads ([Note: Coupled params]).
+        grads_final: tells the adapter that every grad of a step in the backward is final.
     """
 
     counters: GroupCounters
     record: StepRecord
     stack: ExitStack
+    coupled: frozenset[int] = frozenset()
+    grads_final: Callable[[], None] = lambda: None
 
     def close(self) -> None:
         """Give the groups their final values, then the caller's own tensors back (once)."""
@@ -185,7 +190,9 @@ class StepContext:
         disk = self.placement.layout.disk if self.placement.layout is not None else None
         record = StepRecord(self.engine, self.placement.device, None if disk is None else disk.stats)
         record.overlapped = self.gate.stream is not None
-        return OpenStep(counters, record, stack)
+        coupled = frozenset(gi for gi in range(len(groups)) if self.adapter.couples(gi))
+        grads_final = partial(self.adapter.grads_final, self.placement.stepped_dtype)
+        return OpenStep(counters, record, stack, coupled, grads_final)
 
     def has_post_hooks(self, own: Mapping[int, Any]) -> bool:
         """Whether a step post-hook is registered: the wrapper's (``own``), the inner's, or a global one."""

@@ -87,6 +87,14 @@ class BackwardSchedule:
     the inner's update of a param depends on that param alone. So the result is bitwise that of the plain loop, for
     a loop without gradient clipping or loss scaling: their changes to the grads come after the update.
 
+    [Note: Coupled params]
+    Some inners choose a code path per group from which of its params have grads: torch's SGD with momentum and
+    ``foreach`` takes the per-tensor path, which rounds differently in bf16, for a whole (dtype, device) group if
+    any param with a grad has no momentum buffer yet. A param without one (its first grad comes late, or never) may
+    get its grad after the other chunks of its group are final, so the adapter says which groups couple
+    (``Adapter.couples``), and their chunks wait for the end of the backward, where ``Adapter.grads_final``
+    decides again before the first of them steps. The other groups step as their grads arrive.
+
     Args:
         pipeline: the per-chunk operations ([Note: Chunk pipeline]).
         expected: the chunks to expect, in the order the backward should finish them.
@@ -113,6 +121,12 @@ class BackwardSchedule:
         self._chunk_of = {i: c for c in self.expected for i in c.params}
         self._open = {c.index: set(c.params) for c in self.expected}
         self._fresh = {c.index: not pipeline.has_state(c) for c in self.expected}
+        coupled = []
+        if step.coupled:
+            infos = pipeline.require_layout().infos
+            coupled = [c.index for c in self.expected if any(infos[i].group_index in step.coupled for i in c.params)]
+        self._at_end = frozenset(coupled)  # [Note: Coupled params]: stepped once every grad is final
+        self._grads_final: Callable[[], None] | None = step.grads_final if coupled else None
         self._position = {c.index: k for k, c in enumerate(self.expected)}
         self._not_ahead = not_ahead
         self._done: list[Chunk] = []
@@ -154,7 +168,7 @@ class BackwardSchedule:
         if waiting is None:
             return  # stepped already (a param whose grad is accumulated twice in one backward)
         waiting.discard(index)
-        if not waiting:
+        if not waiting and chunk.index not in self._at_end:
             left = sum(c != chunk.index and c not in self._not_ahead for c in self._open)
             self._run(chunk, hold=left < self.pipeline.hold_limit)
 
@@ -207,6 +221,9 @@ class BackwardSchedule:
         pending: Pending | None = None
         try:
             with record_function(CHUNK_SCOPE):
+                if self._grads_final is not None and chunk.index in self._at_end:
+                    self._grads_final()  # the first coupled chunk, at the end of the backward
+                    self._grads_final = None
                 # Chunks held as the last ones were not (all of them, unless this one is held too): a slot is needed.
                 pipeline.flush_write_back(keep=pipeline.hold_limit - 1 if hold else 0)
                 slot, matched, event = self._slot_for(chunk)

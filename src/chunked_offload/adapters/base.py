@@ -120,6 +120,15 @@ class Adapter:
     def begin_step(self, stepped_dtype: Callable[[torch.Tensor], torch.dtype]) -> None:
         """Called once per outer step before any chunk: decide what the inner optimizer decides per group."""
 
+    def couples(self, group_index: int) -> bool:
+        """Whether, in this step, the update of a param of the group may depend on which of its other params have
+        grads (torch SGD's group-wide choice of code path). A step in the backward steps such a group's chunks once
+        every grad is final, after :meth:`grads_final` ([Note: Coupled params] in in_backward.py)."""
+        return False
+
+    def grads_final(self, stepped_dtype: Callable[[torch.Tensor], torch.dtype]) -> None:
+        """A step in the backward: every grad is final; decide again for the groups that :meth:`couples`."""
+
     def workspace_nbytes(self, stepped: Sequence[tuple[dict[str, Any], int]]) -> int:
         """Device bytes the inner's own step takes beside its state, at most, for a chunk of params stepped as
         ``(group, bytes of the stepped tensor)`` ([Note: Window bound]).

@@ -46,34 +46,59 @@ class SGDAdapter(KeyedAdapter):
     when every param of the call has one; if any is missing (its first grad came late) the whole group takes the
     per-tensor path, which rounds differently in bf16. Chunking splits the call, so each chunk's call gets a
     throwaway param without a buffer wherever the whole group would have taken the per-tensor path. Fused SGD
-    raises when buffers are mixed; the wrapper raises the same error before anything is modified.
+    raises when buffers are mixed; the wrapper raises the same error before anything is modified. Where some params
+    of such a group have a buffer and some do not, the choice depends on grads a step in the backward has not seen
+    yet: the group :meth:`couples` ([Note: Coupled params] in in_backward.py).
     """
 
     def __init__(self, inner: torch.optim.Optimizer) -> None:
         super().__init__(inner, _sgd_keys, "torch.SGD", lazy=["momentum_buffer"], strict=True)
         self._per_tensor: set[tuple[int, torch.dtype, torch.device]] = set()
+        self._coupled: set[int] = set()
 
     def begin_step(self, stepped_dtype: Callable[[torch.Tensor], torch.dtype]) -> None:
-        self._per_tensor = set()
-        state = self.inner.state
+        self._per_tensor, self._coupled = set(), set()
         for gi, group in enumerate(self.inner.param_groups):
             if group.get("momentum", 0) == 0:
                 continue
-            missing: set[tuple[torch.dtype, torch.device]] = set()
-            present: set[tuple[torch.dtype, torch.device]] = set()
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                key = (stepped_dtype(p), p.device)
-                entry = state.get(p)
-                (present if entry and entry.get("momentum_buffer") is not None else missing).add(key)
-            if group.get("fused") and missing and present:
-                raise TypeError(
-                    f"fused SGD cannot step param group {gi}: some of its params have a momentum buffer and some do "
-                    "not (their first grad came late), and torch's fused kernel raises on that mix; plain torch "
-                    "fails here too. Use foreach=True, or give every param a grad on the first step"
-                )
-            self._per_tensor |= {(gi, *key) for key in missing}
+            missing, present = self._buffers(group, stepped_dtype, lambda p: p.requires_grad)
+            if missing & present and (group.get("fused") or self._uses_foreach(group, group["params"])):
+                self._coupled.add(gi)  # a param without a buffer may yet get its first grad in this step
+            self._decide(gi, group, stepped_dtype)
+
+    def couples(self, group_index: int) -> bool:
+        return group_index in self._coupled
+
+    def grads_final(self, stepped_dtype: Callable[[torch.Tensor], torch.dtype]) -> None:
+        for gi in self._coupled:
+            self._decide(gi, self.inner.param_groups[gi], stepped_dtype)
+
+    def _decide(self, gi: int, group: dict[str, Any], stepped_dtype: Callable[[torch.Tensor], torch.dtype]) -> None:
+        """The group's path per (dtype, device), from the params that have grads now."""
+        missing, present = self._buffers(group, stepped_dtype, lambda p: p.grad is not None)
+        if group.get("fused") and missing and present:
+            raise TypeError(
+                f"fused SGD cannot step param group {gi}: some of its params have a momentum buffer and some do "
+                "not (their first grad came late), and torch's fused kernel raises on that mix; plain torch "
+                "fails here too. Use foreach=True, or give every param a grad on the first step"
+            )
+        self._per_tensor = {k for k in self._per_tensor if k[0] != gi} | {(gi, *key) for key in missing}
+
+    def _buffers(
+        self,
+        group: dict[str, Any],
+        stepped_dtype: Callable[[torch.Tensor], torch.dtype],
+        counted: Callable[[torch.Tensor], bool],
+    ) -> tuple[set[tuple[torch.dtype, torch.device]], set[tuple[torch.dtype, torch.device]]]:
+        """The (dtype, device) keys of the ``counted`` params without a momentum buffer, and of those with one."""
+        missing: set[tuple[torch.dtype, torch.device]] = set()
+        present: set[tuple[torch.dtype, torch.device]] = set()
+        for p in group["params"]:
+            if counted(p):
+                entry = self.inner.state.get(p)
+                has = entry is not None and entry.get("momentum_buffer") is not None
+                (present if has else missing).add((stepped_dtype(p), p.device))
+        return missing, present
 
     def extra_params(self, group_index: int, chunk_params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         group = self.inner.param_groups[group_index]
