@@ -155,6 +155,13 @@ POINTS = [
 ]
 
 
+def _skip_where_the_point_is_not_reached(config: str, point: str, step: str) -> None:
+    if (point == "fresh-alloc") != (step == "first") and point in ("fresh-alloc", "h2d", "slots"):
+        pytest.skip("fresh chunks allocate their own memory; staged chunks take slots and an H2D")
+    if point.startswith("update") and "fused" not in config:
+        pytest.skip("only fused AdamW calls torch._fused_adamw_")
+
+
 @pytest.mark.parametrize("target", [0, 2, -1], ids=["first", "middle", "last"])
 @pytest.mark.parametrize("step", ["first", "later"])
 @pytest.mark.parametrize("point", POINTS)
@@ -162,10 +169,7 @@ POINTS = [
 def test_a_failed_step_commits_whole_chunks_and_a_retry_matches(
     monkeypatch: pytest.MonkeyPatch, config: str, point: str, step: str, target: int
 ) -> None:
-    if (point == "fresh-alloc") != (step == "first") and point in ("fresh-alloc", "h2d", "slots"):
-        pytest.skip("fresh chunks allocate their own memory; staged chunks take slots and an H2D")
-    if point.startswith("update") and "fused" not in config:
-        pytest.skip("only fused AdamW calls torch._fused_adamw_")
+    _skip_where_the_point_is_not_reached(config, point, step)
     dtype = _dtype(config)
     params = make_params(SHAPES, dtype)
     opt = _wrap(config, params)
@@ -296,10 +300,7 @@ def test_a_failed_fast_step_commits_whole_chunks_in_the_order_they_ran_and_goes_
     ones, the deferred ones), in the backward, in ``step()`` or in the next forward."""
     from test_deferred import Chain
 
-    if (point == "fresh-alloc") != (step == "first") and point in ("fresh-alloc", "h2d", "slots"):
-        pytest.skip("fresh chunks allocate their own memory; staged chunks take slots and an H2D")
-    if point.startswith("update") and "fused" not in config:
-        pytest.skip("only fused AdamW calls torch._fused_adamw_")
+    _skip_where_the_point_is_not_reached(config, point, step)
     dtype = _dtype(config)
     params = make_params(SHAPES, dtype)
     fast = {"step_in_backward": True} if mode == "backward" else {"overlap": True}
