@@ -255,10 +255,9 @@ class BackwardSchedule:
             if staged.index == chunk.index:
                 del self._staged[index]
                 return slots[index], True, event
-        held = self.pipeline.held_slots
-        idle = [s for s in slots if s.index not in self._staged and not any(s is h for h in held)]
+        idle = self._idle_slots()
         if idle:
-            return min(idle, key=self._age), False, None
+            return idle[0], False, None
         index = max(self._staged, key=lambda k: self._position[self._staged[k][0].index])
         dropped, dropped_event = self._staged.pop(index)
         self.pipeline.release_staged(slots[index], dropped, dropped_event)
@@ -269,17 +268,18 @@ class BackwardSchedule:
     def _fill(self) -> None:
         """Start the H2D of the next expected chunks into the slots that hold none, the one used longest ago first
         (its write-back is the furthest along): the link runs up to ``num_slots`` chunks ahead of the backward."""
-        held = self.pipeline.held_slots
-        idle = [s for s in self.pipeline.pool.slots if s.index not in self._staged and not any(s is h for h in held)]
-        for slot in sorted(idle, key=self._age):
+        for slot in self._idle_slots():
             chunk = self._next_to_stage()
             if chunk is None:
                 return
             self._staged[slot.index] = (chunk, self.pipeline.stage(chunk, slot))
 
-    def _age(self, slot: Slot) -> int:
-        """Orders idle slots: the one whose last write-back was enqueued first comes first."""
-        return self._last_used.get(slot.index, -2)
+    def _idle_slots(self) -> list[Slot]:
+        """The slots that hold neither a staged chunk nor a held write-back, the one whose last write-back was
+        enqueued first (the furthest along) first."""
+        held = self.pipeline.held_slots
+        idle = [s for s in self.pipeline.pool.slots if s.index not in self._staged and not any(s is h for h in held)]
+        return sorted(idle, key=lambda s: self._last_used.get(s.index, -2))
 
     def _next_to_stage(self) -> Chunk | None:
         """The first expected chunk that is open, not staged, and has bytes to bring in; the scan resumes where the
