@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -73,6 +74,16 @@ def _train(
         sched.step()
     opt.wait_step()
     return model, opt
+
+
+def _adamw_run(
+    make_model: Callable[[], torch.nn.Module], mode: str, **kwargs: Any
+) -> tuple[Any, ChunkedOffloadOptimizer]:
+    """A model made after seeding 0 and a wrapped AdamW (lr 1e-2) that steps in the backward in mode "backward"."""
+    torch.manual_seed(0)
+    model = make_model()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, ChunkedOffloadOptimizer(inner, step_in_backward=mode == "backward", **kwargs)
 
 
 def _assert_same(a: tuple[_Net, ChunkedOffloadOptimizer], b: tuple[_Net, ChunkedOffloadOptimizer]) -> None:
@@ -297,14 +308,7 @@ def test_random_interleavings_match_the_plain_loop(seed: int) -> None:
     rng = random.Random(seed)
     runs = []
     for mode in ("plain", "backward"):
-        torch.manual_seed(0)
-        model = _Net()
-        opt = ChunkedOffloadOptimizer(
-            torch.optim.AdamW(model.parameters(), lr=1e-2),
-            chunk_size_mb=rng.choice([2, 12]) * _KIB,
-            offload_fraction=0.6,
-            step_in_backward=mode == "backward",
-        )
+        model, opt = _adamw_run(_Net, mode, chunk_size_mb=rng.choice([2, 12]) * _KIB, offload_fraction=0.6)
         opt.attach(model)
         runs.append((model, opt))
     gen = torch.Generator().manual_seed(seed)
@@ -401,13 +405,8 @@ def test_the_backward_order_is_learned_so_that_no_chunk_is_staged_twice() -> Non
     params got no grad is not staged at all."""
     runs = []
     for mode in ("plain", "backward"):
-        torch.manual_seed(0)
-        model = _Blocks()
-        opt = ChunkedOffloadOptimizer(
-            torch.optim.AdamW(model.parameters(), lr=1e-2),
-            chunk_size_mb=_KIB / 4,  # a chunk per bundle, but a norm's weight and bias go together
-            step_in_backward=mode == "backward",
-        )
+        # A chunk per bundle, but a norm's weight and bias go together.
+        model, opt = _adamw_run(_Blocks, mode, chunk_size_mb=_KIB / 4)
         opt.attach(model)
         gen = torch.Generator().manual_seed(1)
         h2d = []
@@ -468,14 +467,7 @@ def test_chunks_held_as_the_last_ones_that_were_not_still_land_and_stay_bitwise(
     last, those are flushed and their slots reused; at most ``hold_limit`` stay held, and training stays bitwise."""
     runs = []
     for mode in ("plain", "backward"):
-        torch.manual_seed(0)
-        model = _Detour()
-        opt = ChunkedOffloadOptimizer(
-            torch.optim.AdamW(model.parameters(), lr=1e-2),
-            chunk_size_mb=2 * _KIB,
-            num_slots=slots,
-            step_in_backward=mode == "backward",
-        )
+        model, opt = _adamw_run(_Detour, mode, chunk_size_mb=2 * _KIB, num_slots=slots)
         gen = torch.Generator().manual_seed(1)
         for k in range(5):
             model(torch.randn(3, 16, generator=gen), detour=k in (2, 4)).square().mean().backward()
