@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from reference import UNDER_SANITIZER
+
+# Every test on the CPU runs the fast modes' step stream emulated: a chunk's update of its params shows only once a
+# reader waits for it, so a missing wait fails a bitwise comparison ([Note: Emulated step stream]). Spawned ranks
+# inherit it. A test that compares with and without sets or clears it itself.
+os.environ.setdefault("CHUNKED_OFFLOAD_EMULATE_STREAMS", "1")
 
 # Modules whose tests spawn processes, compile, build packages, train real models or inject faults exhaustively.
 SLOW_MODULES = {

@@ -121,10 +121,10 @@ def test_the_last_chunks_write_backs_are_held_until_the_host_copies_are_used(rea
     plain, backward = _train("plain", steps=3), _train("backward", steps=3, num_slots=slots)
     model, opt = backward[0], backward[1]
     pipeline = internals(opt).pipeline
-    held = pipeline.held_chunks
+    held = pipeline.held.chunks
     assert len(held) == slots - 1 and 0 in held[-1].params  # the embedding: its grad is final last
     assert [s for s in internals(opt).pool.slots if s.buffer is not None] == sorted(
-        pipeline.held_slots, key=lambda s: s.index
+        pipeline.held.slots, key=lambda s: s.index
     )
     if reader == "synchronize":
         opt.synchronize()
@@ -139,7 +139,7 @@ def test_the_last_chunks_write_backs_are_held_until_the_host_copies_are_used(rea
         opt.offload()
     else:
         opt.replan()
-    assert not pipeline.held_slots and not internals(opt).pool.allocated
+    assert not pipeline.held.slots and not internals(opt).pool.allocated
     for got, want in zip(_raw_state(opt, model), _raw_state(plain[1], plain[0]), strict=True):
         assert got.keys() == want.keys()
         for key in got:
@@ -366,7 +366,7 @@ def test_reentrant_checkpointing_steps_every_chunk_once(head_outside: bool) -> N
             opt.step()
             opt.zero_grad()
         opt.wait_step()
-        held = internals(opt).pipeline.held_slots
+        held = internals(opt).pipeline.held.slots
         assert [s for s in internals(opt).pool.slots if s.buffer is not None] == held  # [Note: Held write-back]
         assert bool(held) is (mode == "backward")
         opt.synchronize()
@@ -475,12 +475,12 @@ def test_chunks_held_as_the_last_ones_that_were_not_still_land_and_stay_bitwise(
             opt.zero_grad()
             if mode == "backward":
                 pipeline = internals(opt).pipeline
-                assert len(pipeline.held_slots) <= pipeline.hold_limit == max(1, min(2, slots - 1))
+                assert len(pipeline.held.slots) <= pipeline.held.limit == max(1, min(2, slots - 1))
                 if k == 4:  # the detour (with state now) got grads after the chunks expected last: held, last
                     detour = internals(opt).placement.binding.index_of(model.detour.weight)
-                    assert detour in pipeline.held_chunks[-1].params
+                    assert detour in pipeline.held.chunks[-1].params
                 assert [s for s in internals(opt).pool.slots if s.buffer is not None] == sorted(
-                    pipeline.held_slots, key=lambda s: s.index
+                    pipeline.held.slots, key=lambda s: s.index
                 )
         opt.synchronize()
         runs.append((model, opt))

@@ -189,7 +189,6 @@ class StepContext:
             raise
         disk = self.placement.layout.disk if self.placement.layout is not None else None
         record = StepRecord(self.engine, self.placement.device, None if disk is None else disk.stats)
-        record.overlapped = self.gate.stream is not None
         coupled = frozenset(gi for gi in range(len(groups)) if self.adapter.couples(gi))
         grads_final = partial(self.adapter.grads_final, self.placement.stepped_dtype)
         return OpenStep(counters, record, stack, coupled, grads_final)

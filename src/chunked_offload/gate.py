@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -49,7 +49,10 @@ class StepGate:
 
     def __init__(self, streams: StreamContext, mode: StepMode) -> None:
         self.enabled = mode.own_stream
+        self.streams = streams
         self.stream = streams.step
+        self._on_step_stream = False  # inside ``stepping()`` on the step stream
+        self._before: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # emulated: param index -> (param, old bytes)
         # param index -> the event after its last update; kept across steps: a param without a grad in this step
         # was last updated by an earlier one.
         self.ready: dict[int, torch.cuda.Event] = {}
@@ -62,6 +65,11 @@ class StepGate:
     def attached(self) -> int:
         """Models whose forward waits for their params (attach handles not removed)."""
         return len(self.gated)
+
+    @property
+    def detaches(self) -> bool:
+        """Whether chunks stepped on the step stream run beside the caller's code (a GPU's stream, not emulated)."""
+        return self.stream is not None and not self.streams.emulated
 
     @property
     def gating(self) -> bool:
@@ -80,7 +88,7 @@ class StepGate:
         if self.stream is None:
             yield
             return
-        caller = torch.cuda.current_stream(self.stream.device)
+        caller = self.streams.current()
         stream = self.stream if own else caller
         if not own:
             self.join()  # the last step's deferred chunks, enqueued by the flush before this step
@@ -88,19 +96,35 @@ class StepGate:
             # Without this wait the step could read grads the caller's backward has not finished writing.
             self.stream.wait_stream(caller)
         try:
-            with torch.cuda.stream(stream):
+            self._on_step_stream = own
+            with self.streams.use(stream):
                 yield
         finally:
-            self.end = torch.cuda.Event()
-            self.end.record(stream)
+            self._on_step_stream = False
+            self._before.clear()  # a chunk that failed before its commit was rolled back
+            self.end = self.streams.event(stream)
 
     def clear(self) -> None:
         """Forget the events (the layout changed; the caller has drained every stream)."""
         self.ready.clear()
         self.end = None
 
+    def before_update(self, params: Mapping[int, torch.Tensor]) -> None:
+        """A chunk is about to update ``params`` (param index -> its local tensor) on the current stream.
+
+        Only the emulated step stream needs to know: it sees its own earlier updates of them, and keeps their bytes
+        from before this one to show until a reader waits ([Note: Emulated step stream] in emulated.py).
+        """
+        if self._on_step_stream and self.streams.emulated:
+            self.stream.land_for(params.values())
+            self._before = {i: (p, p.detach().clone()) for i, p in params.items()}
+
     def mark_ready(self, params: Iterable[int], event: torch.cuda.Event | None) -> None:
         """``event`` completes once the updates of ``params`` (param indices) are enqueued work that has run."""
+        if self._before:  # emulated: the update is held back until a reader waits for this event
+            held = [self._before.pop(i) for i in params if i in self._before]
+            self.stream.hold(held)
+            event = self.streams.event(self.stream)
         if self.stream is not None and event is not None:
             for i in params:
                 self.ready[i] = event
@@ -146,7 +170,7 @@ class StepGate:
         """Order the current stream (and ``streams``: FSDP2's all-gather streams) after the given params' updates."""
         if not self.ready or self.stream is None:
             return
-        readers = [torch.cuda.current_stream(self.stream.device), *streams]
+        readers = [self.streams.current(), *streams]
         waited: set[int] = set()
         for i in indices:
             event = self.ready.get(i)
@@ -160,7 +184,7 @@ class StepGate:
         """Order the current stream after the whole last step (its enqueued chunks)."""
         if self.end is not None and self.stream is not None:
             # Without this wait the caller could read (or free) what the step stream still uses.
-            torch.cuda.current_stream(self.stream.device).wait_event(self.end)
+            self.streams.current().wait_event(self.end)
 
     def synchronize(self) -> None:
         """Block the host until the last step's enqueued updates have run."""

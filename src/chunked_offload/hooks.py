@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from . import compiled
+from . import compiled, fsdp
 from .callbacks import Call, Hook, Runtime, opaque, run_eagerly_at_the_top
 from .grad_hooks import GradHooks
 
@@ -22,31 +22,50 @@ class _Gate(Hook):
     Traced by dynamo it adds nothing to the graph, and notes the trace ([Note: Gates in compiled graphs]).
     """
 
-    __slots__ = ("params", "_key", "_streams")
+    __slots__ = ("params", "_key")
 
-    def __init__(self, runtime: weakref.ref[Runtime], params: list[torch.Tensor], unit: bool, key: int) -> None:
+    def __init__(self, runtime: weakref.ref[Runtime], params: list[torch.Tensor], key: int) -> None:
         super().__init__(runtime)
         self.params = params
         self._key = key
-        self._streams = unit  # an FSDP2 unit: its all-gather streams wait too
 
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():
             compiled.note_trace(self._key)
         else:
-            self.run(module)
+            self.run()
 
     @opaque  # [Note: Opaque to dynamo]
-    def run(self, module: torch.nn.Module) -> None:
+    def run(self, *args: Any) -> None:
         target = self.runtime()
-        if target is None:
-            return
-        params = self.params
-        if self._streams:  # with explicit forward prefetching, the units it prefetches all-gather now too
-            prefetched = getattr(_fsdp_state(module), "_states_to_forward_prefetch", [])
-            params = [*params, *(p for state in prefetched for m in getattr(state, "_modules", ()) for p in _own(m))]
-        indices = [i for i in (target.index_of(p) for p in params) if i is not None]
-        target.wait_for(indices, _all_gather_streams(module) if self._streams else ())
+        if target is not None:
+            target.wait_for([i for i in (target.index_of(p) for p in self.params) if i is not None])
+
+
+class _UnitGate(Hook):
+    """Runs before every ``unshard()`` of one FSDP2 param group: the updates of its params come before the copies that
+    read them, on every stream that reads them ([Note: FSDP2 reads deferred params] in fsdp.py)."""
+
+    __slots__ = ("params", "_group", "_key")
+
+    def __init__(self, runtime: weakref.ref[Runtime], group: Any, key: int) -> None:
+        super().__init__(runtime)
+        self.params = fsdp.params_of(group)
+        self._group = group
+        self._key = key
+
+    def __call__(self) -> None:
+        if torch.compiler.is_compiling():
+            compiled.note_trace(self._key)
+        else:
+            self.run()
+
+    @opaque  # [Note: Opaque to dynamo]
+    def run(self) -> None:
+        target = self.runtime()
+        if target is not None:
+            indices = [i for i in (target.index_of(p) for p in self.params) if i is not None]
+            target.wait_for(indices, fsdp.all_gather_streams(self._group))
 
 
 class _Done(Hook):
@@ -90,11 +109,10 @@ def attach(model: torch.nn.Module, runtime: Runtime, *, blocks: bool = False) ->
 
     [Note: Attached forward]
     Each gated module gets a forward pre-hook, prepended so that it runs before any other, that makes the stream
-    running the forward wait for the chunks of its params, enqueuing them first if they were deferred. What is gated
-    (``_gates``), parents first:
-    - an FSDP2 unit (``fully_shard``) waits for every param it manages (its subtree's, less nested units'), and makes
-      FSDP2's all-gather streams wait too, before its own pre-forward hook all-gathers them; with explicit forward
-      prefetching it waits for the units it prefetches as well. The modules inside it have no gate of their own;
+    running the forward wait for the chunks of its params, enqueuing them first if they were deferred. The params of
+    an FSDP2 unit (``fully_shard``) are waited for where they are read: before every ``unshard()`` of the unit, on the
+    current stream and FSDP2's all-gather streams ([Note: FSDP2 reads deferred params] in fsdp.py); modules gate only
+    the params no unit manages. What is gated (``_gates``), parents first:
     - a compiled module (``torch.compile(block)``) waits for its subtree's params at its boundary ([Note: Gates in
       compiled graphs] in compiled.py), and so, with ``blocks=True``, does each element of a ``ModuleList``,
       ``ModuleDict`` or ``Sequential`` (a transformer's layers), at the price of a block's first module waiting for
@@ -102,7 +120,8 @@ def attach(model: torch.nn.Module, runtime: Runtime, *, blocks: bool = False) ->
     - every other module waits for the params it holds itself.
     The model's own forward hook enqueues what is left of a deferred step and orders the backward after the whole
     step (so nothing of the step runs beside the backward's writes into the grads). ``state_dict()`` and
-    ``load_state_dict()`` of the model and of the gated modules join the step first: they read or write the params.
+    ``load_state_dict()`` of the model, of the gated modules and of the FSDP2 units join the step first: they read or
+    write the params.
     Under torch.compile the hooks add no graph break, and the gated modules get classes of their own so that code
     compiled before is not reused without them ([Note: Gates in compiled graphs]). Copies of the model carry none of
     the hooks ([Note: Hooks in copies]).
@@ -113,21 +132,24 @@ def attach(model: torch.nn.Module, runtime: Runtime, *, blocks: bool = False) ->
     _check_attachable(model, runtime, blocks)
     ref = weakref.ref(runtime)  # the model must not keep the wrapper (and its host memory) alive
     key = compiled.register(ref)
-    units = _fsdp_units(model)
-    gates = _gates(model, units, blocks)
-    hooks = {m: _Gate(ref, ps, m in units, key) for m, ps in gates.items()}
+    units = fsdp.units(model)
+    groups = [group for unit in units for group in unit.groups]
+    unit_gates = [_UnitGate(ref, group, key) for group in groups]
+    gates = _gates(model, {id(p) for g in unit_gates for p in g.params}, blocks)
+    hooks = {m: _Gate(ref, ps, key) for m, ps in gates.items()}
     # A module compiled in place runs its hooks inside the compiled code: its gate runs from its class instead.
     inplace = {m: hooks[m].run for m in gates if compiled.is_compiled_module(m) and not compiled.is_compiled_wrapper(m)}
-    handles = [m.register_forward_pre_hook(h, prepend=True) for m, h in hooks.items() if m not in inplace]
+    handles: list[Any] = [m.register_forward_pre_hook(h, prepend=True) for m, h in hooks.items() if m not in inplace]
+    handles.extend(fsdp.UnshardHook(group, gate) for group, gate in zip(groups, unit_gates, strict=True))
     handles.append(model.register_forward_hook(_Done(ref)))
     reader = Call(_join_hook, ref)
-    for module in {id(m): m for m in [model, *gates]}.values():
+    for module in {id(m): m for m in [model, *gates, *(m for unit in units for m in unit.modules)]}.values():
         handles.append(module.register_state_dict_pre_hook(reader))
         handles.append(module.register_load_state_dict_pre_hook(reader))
     # Modules dynamo may trace get classes of their own; a torch.compile wrapper's own hooks run eagerly.
     traced = [m for m in {id(m): m for m in [model, *gates]}.values() if not compiled.is_compiled_wrapper(m)]
-    handle = AttachHandle(len(gates), handles, compiled.gate_classes(traced, ref, inplace), ref, key)
-    runtime.attached(handle.serial, [p for ps in gates.values() for p in ps])
+    handle = AttachHandle(len(gates) + len(groups), handles, compiled.gate_classes(traced, ref, inplace), ref, key)
+    runtime.attached(handle.serial, [p for ps in [*gates.values(), *(g.params for g in unit_gates)] for p in ps])
     return handle
 
 
@@ -158,64 +180,26 @@ def _check_attachable(model: torch.nn.Module, runtime: Runtime, blocks: bool) ->
         )
 
 
-def _gates(
-    model: torch.nn.Module, units: dict[torch.nn.Module, list[torch.Tensor]], blocks: bool
-) -> dict[torch.nn.Module, list[torch.Tensor]]:
-    """The modules whose forward waits, in ``model.modules()`` order, and the params each waits for ([Note:
-    Attached forward])."""
+def _gates(model: torch.nn.Module, managed: set[int], blocks: bool) -> dict[torch.nn.Module, list[torch.Tensor]]:
+    """The modules whose forward waits, in ``model.modules()`` order, and the params each waits for ([Note: Attached
+    forward]); ``managed``: the ids of the params FSDP2 units manage, which their unshard hooks wait for instead."""
     containers = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
     block_ids = {id(b) for c in model.modules() if isinstance(c, containers) for b in c.children()}
     gates: dict[torch.nn.Module, list[torch.Tensor]] = {}
-    inside: set[int] = set()  # modules within a gated unit, compiled region or block (the gated module excluded)
+    inside: set[int] = set()  # modules within a compiled region or block (the gated module excluded)
     for m in model.modules():  # parents before their children
-        if m in units:
-            gates[m] = units[m]
-        elif id(m) in inside:
+        if id(m) in inside:
             continue
-        elif compiled.is_compiled_module(m) or (blocks and id(m) in block_ids):
-            gates[m] = _subtree_params(m, units.__contains__)
+        if compiled.is_compiled_module(m) or (blocks and id(m) in block_ids):
+            gates[m] = [p for p in m.parameters() if id(p) not in managed]
+            inside.update(id(n) for n in m.modules() if n is not m)
         else:
-            own = _own(m)
-            if own:
-                gates[m] = own
-            continue
-        inside.update(id(n) for n in m.modules() if n is not m and n not in units)
+            gates[m] = [p for p in _own(m) if id(p) not in managed]
     return {m: params for m, params in gates.items() if params}
 
 
 def _own(module: torch.nn.Module) -> list[torch.Tensor]:
     return [p for p in module._parameters.values() if p is not None]
-
-
-def _subtree_params(module: torch.nn.Module, is_unit: Callable[[torch.nn.Module], bool]) -> list[torch.Tensor]:
-    """The params of ``module``'s subtree, less those of the FSDP2 units nested in it."""
-    nested = {id(p) for n in module.modules() if n is not module and is_unit(n) for p in n.parameters()}
-    return [p for p in module.parameters() if id(p) not in nested]
-
-
-def _fsdp_units(model: torch.nn.Module) -> dict[torch.nn.Module, list[torch.Tensor]]:
-    """Each FSDP2 unit of ``model`` and the (sharded) params it manages: its subtree's, less nested units'."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch built without distributed
-        return {}
-
-    def is_unit(module: torch.nn.Module) -> bool:
-        return isinstance(module, FSDPModule)
-
-    return {m: _subtree_params(m, is_unit) for m in model.modules() if is_unit(m)}
-
-
-def _fsdp_state(module: torch.nn.Module) -> Any:
-    get_state = getattr(module, "_get_fsdp_state", None)
-    return get_state() if get_state is not None else None
-
-
-def _all_gather_streams(module: torch.nn.Module) -> list[torch.cuda.Stream]:
-    """FSDP2's all-gather streams (created at its first forward), which read the sharded params beside the forward."""
-    context = getattr(_fsdp_state(module), "_comm_ctx", None)
-    names = ("all_gather_copy_in_stream", "all_gather_stream")
-    return [s for s in (getattr(context, n, None) for n in names) if isinstance(s, torch.cuda.Stream)]
 
 
 class AttachHandle:

@@ -117,6 +117,7 @@ class BackwardSchedule:
         self.expected = list(expected)
         self.counters = step.counters
         self.record = step.record
+        self.record.overlapped = pipeline.gate.detaches  # its time is the backward's: no exposed time
         self._on_close = on_close
         self._chunk_of = {i: c for c in self.expected for i in c.params}
         self._open = {c.index: set(c.params) for c in self.expected}
@@ -143,7 +144,7 @@ class BackwardSchedule:
     # ------------------------------------------------------------------ driven by the hooks
     def begin(self) -> None:
         """Take the slots' memory and start the H2D of the chunks expected first, one per slot."""
-        for held in self.pipeline.held_slots:
+        for held in self.pipeline.held.slots:
             self._last_used[held.index] = -1  # its write-back is enqueued now, last: it stages last
         try:
             self.pipeline.start(self.expected, [self._fresh[c.index] for c in self.expected], depth=0)
@@ -170,7 +171,7 @@ class BackwardSchedule:
         waiting.discard(index)
         if not waiting and chunk.index not in self._at_end:
             left = sum(c != chunk.index and c not in self._not_ahead for c in self._open)
-            self._run(chunk, hold=left < self.pipeline.hold_limit)
+            self._run(chunk, hold=left < self.pipeline.held.limit)
 
     def close_with_backward(self) -> None:
         """Close the step at the end of the outermost backward pass ([Note: Watching the backward])."""
@@ -182,7 +183,7 @@ class BackwardSchedule:
             return
         remaining = [c for c in self.expected if c.index in self._open and self.pipeline.grads(c)]
         for k, chunk in enumerate(remaining):
-            self._run(chunk, hold=len(remaining) - 1 - k < self.pipeline.hold_limit)
+            self._run(chunk, hold=len(remaining) - 1 - k < self.pipeline.held.limit)
         with self.pipeline.gate.stepping():
             self.record.compute_done()
         if self._staged:
@@ -211,8 +212,8 @@ class BackwardSchedule:
 
     # ------------------------------------------------------------------ one chunk
     def _run(self, chunk: Chunk, hold: bool) -> None:
-        """Step ``chunk``; ``hold``: fewer than ``hold_limit`` other chunks are expected in this backward, so its
-        write-back is held ([Note: Held write-back] in pipeline.py)."""
+        """Step ``chunk``; ``hold``: fewer than ``held.limit`` other chunks are expected in this backward, so its
+        write-back is held ([Note: Held write-back] in held.py)."""
         pipeline = self.pipeline
         del self._open[chunk.index]
         self._keep_grads_alive(chunk)
@@ -225,7 +226,7 @@ class BackwardSchedule:
                     self._grads_final()  # the first coupled chunk, at the end of the backward
                     self._grads_final = None
                 # Chunks held as the last ones were not (all of them, unless this one is held too): a slot is needed.
-                pipeline.flush_write_back(keep=pipeline.hold_limit - 1 if hold else 0)
+                pipeline.flush_write_back(keep=pipeline.held.limit - 1 if hold else 0)
                 slot, matched, event = self._slot_for(chunk)
                 with pipeline.gate.stepping():
                     if not fresh and not matched:
@@ -277,7 +278,7 @@ class BackwardSchedule:
     def _idle_slots(self) -> list[Slot]:
         """The slots that hold neither a staged chunk nor a held write-back, the one whose last write-back was
         enqueued first (the furthest along) first."""
-        held = self.pipeline.held_slots
+        held = self.pipeline.held.slots
         idle = [s for s in self.pipeline.pool.slots if s.index not in self._staged and not any(s is h for h in held)]
         return sorted(idle, key=lambda s: self._last_used.get(s.index, -2))
 

@@ -7,7 +7,9 @@ from collections.abc import Sequence
 import torch
 
 from .disk import DiskStore
+from .dtensor import local
 from .gate import StepGate
+from .held import HeldWriteBacks
 from .layout import Layout, Views, chunk_views
 from .planner import Chunk, Home, Role
 from .prefetch import Prefetcher
@@ -40,20 +42,6 @@ class ChunkPipeline:
     committed write-backs land and frees every slot. The waits between the streams are those of
     [Note: Two-slot staging] (staging.py), made in transfer.py.
 
-    [Note: Held write-back]
-    The GPU's copy engine runs the device-to-host copies of every stream in the order they were enqueued (measured
-    on the H200: a 4-byte ``.item()`` waits 14.4 ms behind a 768 MiB write-back, from any stream, in pieces or not).
-    The write-backs of the chunks a backward steps last would be enqueued just before the next device-to-host read
-    on the caller's stream (``step()``'s grad check, a check in HF's Llama forward, a logged loss), which would wait
-    for them. So ``commit(hold=True)`` keeps the write-backs of the last ``hold_limit`` chunks of a step in the
-    backward in their slots (two, where a slot is left to stage into; the embedding's last): their params are
-    updated, the slots keep their memory through the forward (inside the window; the training's peak grows by a slot
-    each), and the copies are enqueued when the next step starts, or as soon as anything reads or writes the host
-    copies: ``synchronize()``, ``state_dict()``, ``opt.state``, a write into it, ``load_state_dict()``, ``offload()``,
-    a re-plan (``flush_write_back``). The next step's H2D of such a chunk waits for its copy. Only host chunks with
-    state are held. With one held, the caller's read waited 5 ms per iteration behind the write-back of the chunk
-    before it (H100, in-backward at 16 x 2048, 1 GiB chunks, 3 slots: 98.2% of resident kept; with two, 98.7-99.0%).
-
     Args:
         engine: the copy streams.
         pool: the staging slots.
@@ -67,9 +55,7 @@ class ChunkPipeline:
         self.layout: Layout | None = None
         self.stepper: ChunkStepper | None = None
         self.ahead = Prefetcher(self)  # what ``opt.prefetch()`` staged for the next step
-        self._held: list[tuple[Chunk, Pending, Event]] = []  # [Note: Held write-back], oldest first; event: its step
-        self._landing: dict[int, Event] = {}  # chunk index -> the event of its held write-back this step enqueued
-        self._active = False  # between start() and finish(): the slots belong to a step
+        self.held = HeldWriteBacks(engine, pool)  # [Note: Held write-back] in held.py
 
     def bind(self, layout: Layout, stepper: ChunkStepper) -> None:
         """Step the chunks of a newly installed layout from now on."""
@@ -117,7 +103,7 @@ class ChunkPipeline:
             self.pool.acquire(layout.plan.slot_nbytes)
         if layout.disk is not None:  # its reader threads start on the files of the chunks staged first
             layout.disk.expect([c for c, f in zip(chunks, fresh, strict=True) if not f])
-        self._active = True
+        self.held.active = True
         self.engine.begin_step()
         self.flush_write_back()  # after begin_step: only this chunk's own H2D waits for it (``stage``)
         return {
@@ -129,8 +115,10 @@ class ChunkPipeline:
         staging]."""
         n = 0 if self.require_stepper().in_one_op(chunk) else chunk.transfer_nbytes  # [Note: One-op updates]
         buffer = self._buffer(slot)
-        if chunk.index in self._landing:
-            self.engine.h2d_after(self._landing[chunk.index])  # its home is still being written by its held write-back
+        if chunk.index in self.held.landing:
+            self.engine.h2d_after(
+                self.held.landing[chunk.index]
+            )  # its home is still being written by its held write-back
         disk = self._disk(chunk)
         source = disk.load(chunk) if disk is not None else self._home_region(chunk, n)  # a file: via its bounce
         event = self.engine.stage_in(slot, [(buffer[:n], source[:n])] if n else [])
@@ -152,6 +140,8 @@ class ChunkPipeline:
 
     def step(self, chunk: Chunk, slot: Slot, fresh: bool, h2d_event: Event, hooks: ChunkHooks) -> Pending:
         """Step one chunk in ``slot``: a fresh one in memory of its own, a staged one after its H2D (started)."""
+        infos = self.require_layout().infos
+        self.gate.before_update({i: local(infos[i].param) for i in chunk.params})
         if fresh:
             return self.step_fresh(chunk, slot, hooks)
         return self.step_staged(chunk, slot, h2d_event, hooks)
@@ -159,8 +149,8 @@ class ChunkPipeline:
     def commit(self, chunk: Chunk, pending: Pending, *, hold: bool = False) -> None:
         """Enqueue a stepped chunk's write-back: from here on it is committed, and its params count as updated.
 
-        ``hold``: one of the last ``hold_limit`` chunks of a step in the backward; a host chunk with state keeps its
-        write-back in its slot until ``flush_write_back`` ([Note: Held write-back]).
+        ``hold``: one of the last ``held.limit`` chunks of a step in the backward; a host chunk with state keeps its
+        write-back in its slot until ``flush_write_back`` ([Note: Held write-back] in held.py).
         """
         pending.committing = True
         if pending.txn.failure is not None:
@@ -169,10 +159,10 @@ class ChunkPipeline:
             self._commit_to_disk(chunk, pending)
             return
         if hold and self.store(chunk).crosses_link and pending.pairs and not pending.retain:
-            self.flush_write_back(keep=self.hold_limit - 1)  # at most hold_limit are held
+            self.flush_write_back(keep=self.held.limit - 1)  # at most held.limit are held
             stepped = self.engine.step_done()
             self.gate.mark_ready(chunk.params, stepped)
-            self._held.append((chunk, pending, stepped))
+            self.held.hold(chunk, pending, stepped)
             return
         self.gate.mark_ready(chunk.params, self.engine.write_back(pending.slot, pending.pairs, pending.retain))
 
@@ -195,36 +185,16 @@ class ChunkPipeline:
         return self.layout.disk if self.layout is not None and chunk.home is Home.DISK else None
 
     def flush_write_back(self, keep: int = 0) -> None:
-        """Enqueue held write-backs, oldest first, until ``keep`` are left (between steps their slots are freed)."""
-        while len(self._held) > keep:
-            chunk, pending, stepped = self._held[0]
-            pending.slot.advance((SlotState.READY, SlotState.DRAINING), SlotState.READY)  # a retry after a failure
-            self.engine.write_back(pending.slot, pending.pairs, after=stepped)
-            del self._held[0]
-            if self._active:
-                self._landing[chunk.index] = pending.slot.free_event
-            else:
-                self.pool.release_slot(pending.slot, self.engine.d2h_stream)
-
-    @property
-    def hold_limit(self) -> int:  # the write-backs a step may hold: two, and always a slot left to stage into
-        return max(1, min(2, len(self.pool.slots) - 1))
-
-    @property
-    def held_slots(self) -> list[Slot]:  # the slots of the held write-backs, oldest first
-        return [pending.slot for _, pending, _ in self._held]
-
-    @property
-    def held_chunks(self) -> list[Chunk]:  # the chunks whose write-backs are held, oldest first
-        return [chunk for chunk, _, _ in self._held]
+        """Enqueue held write-backs, oldest first, until ``keep`` are left ([Note: Held write-back] in held.py)."""
+        self.held.flush(keep)
 
     def finish(self) -> None:
         """The step is done: fresh tensors and the slots' memory go back once the D2H stream has read them (all but
         a slot that holds a write-back)."""
         self.engine.end_step(self.pool.slots)
-        self.pool.release(self.engine.d2h_stream, keep=self.held_slots)
+        self.pool.release(self.engine.d2h_stream, keep=self.held.slots)
         self._release_bounces()
-        self._active, self._landing = False, {}
+        self.held.end_step()
 
     def _release_bounces(self) -> None:
         """Every chunk on disk is written or was not stepped: the bounces are free (their reads end first)."""
@@ -251,7 +221,7 @@ class ChunkPipeline:
         """Wait for every copy, then free the slots (after a failure, or when staged bytes are dropped)."""
         self.drain()
         self.pool.release(None)
-        self._active, self._landing = False, {}
+        self.held.end_step()
 
     def abort(self, pending: Pending | None) -> bool:
         """Roll the failing chunk back (or forward: returns True), let committed write-backs land, free every slot."""

@@ -165,6 +165,7 @@ class StepSchedule:
             pipeline.require_stepper().run_empty(step.counters)
             return
         run = _Run(list(chunks), fresh, step.record, step.counters, OwnedGrads(pipeline.gate.keep_alive), own)
+        step.record.overlapped = own and pipeline.gate.detaches  # its time is not the caller's: no exposed time
         slots = len(pipeline.pool.slots)
         head = len(chunks) if not defer or any(fresh) else min(len(chunks), eager + slots)
         later = (eager if pipeline.gate.stream is not None else head) if own else len(chunks)

@@ -90,7 +90,7 @@ class StagingPool:
     hand it back at the end (``record_stream`` on the D2H stream, then the buffers' storage is emptied), so forward and
     backward can use it between steps. In steady state the allocator hands out cached blocks: no ``cudaMalloc``.
     One exception: after a step in the backward, the slot of the last chunk keeps its memory until its write-back
-    is enqueued, and the next step reuses it as it is ([Note: Held write-back] in pipeline.py).
+    is enqueued, and the next step reuses it as it is ([Note: Held write-back] in held.py).
     Views of a slot live for one step only: the release empties the buffers' storage (``free_storage``), so a view
     still held after the step (by a kept traceback's frames) does not pin the block. Freshly taken memory may still
     be in use by work queued on the compute stream before it was freed, so the first H2D into it waits for that
@@ -118,7 +118,7 @@ class StagingPool:
         """Give every slot ``slot_nbytes`` bytes of device memory; on an allocation failure release what it took.
 
         A slot that still has memory of that size keeps it, with its events: it holds a write-back from the last
-        step ([Note: Held write-back] in pipeline.py).
+        step ([Note: Held write-back] in held.py).
         """
         taken = []
         try:

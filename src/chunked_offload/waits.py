@@ -80,7 +80,7 @@ class StepWaits:
     def land_held_write_back(self) -> None:
         """Block the host until a write-back held from the last step has landed ([Note: Held write-back])."""
         pipeline = self.runner.pipeline
-        if pipeline.held_slots:
+        if pipeline.held.slots:
             pipeline.synchronize()
 
     def current_phase(self) -> Phase:

@@ -263,7 +263,7 @@ def test_stepping_in_backward_raced_by_the_rest_of_the_backward_stays_exact(
     _assert_models_equal(plain, in_backward)
     stats = in_backward[1].stats
     assert stats is not None and stats.chunks >= 8
-    assert internals(in_backward[1]).runner.pipeline.hold_limit == num_slots - 1
+    assert internals(in_backward[1]).runner.pipeline.held.limit == num_slots - 1
 
 
 def _auto_loop(mode: str, width: int, headroom_share: float | None = None) -> tuple[_Mlp, ChunkedOffloadOptimizer]:
