@@ -24,8 +24,16 @@ against the synchronous wrapper with the same clip choice (bf16 shards with fp32
 FSDP2's fp32 shards; tests/ check the wrapper against plain fp32-master loops), and that against itself as the
 control.
 
+With ``--fsdp`` torchtitan's own ``apply_fsdp`` shards the model on a 1-rank mesh (FSDP2: each block, the embedding,
+[norm, output] as one unit, the root), with fp32 shards computing in bf16 (its MixedPrecisionPolicy), and the
+variants are those of FSDP2 users: resident (AdamW on the fp32 shards), overlap (blocks=True, as wrap_optimizers
+attaches), overlap-modules (blocks=False), overlap-auto, and overlap-masters (bf16 shards, fp32 masters) against
+resident-masters. The bitwise check then compares each with the plain loop it reproduces (losses and params, every
+chunk's step slowed on the GPU so that a missing wait shows), and that loop with itself as the control.
+
 Commands:
     python3 benchmarks/bench_titan.py                                  # ~1 B params at 16 x 2048 on a GPU
+    python3 benchmarks/bench_titan.py --fsdp --batch 8 --exact-steps 10  # FSDP2: overlap bitwise, and its share kept
     python3 benchmarks/bench_titan.py --batch 16 --csv benchmarks/results/bench_titan_h200.csv
 Wheels for the GPU (torchtitan 0.2.2 and what it imports beyond the image): scripts/titan-prepare.sh.
 Exits nonzero if a variant is not bitwise equal to the resident run.
@@ -48,7 +56,20 @@ from common import Recorder, Stats, device_name, git_sha  # noqa: E402  (it puts
 from reference import ResidentMasters as MasterLoop  # noqa: E402
 
 VARIANTS = ("resident", "resident-masters", "sync", "overlap", "overlap-auto", "backward")
+FSDP_VARIANTS = ("resident", "resident-masters", "overlap", "overlap-modules", "overlap-auto", "overlap-masters")
 REFERENCES = ("resident", "resident-masters")
+
+
+def bf16_shards(variant: str, args: argparse.Namespace) -> bool:
+    """Whether the variant's params are bf16 (else fp32 shards that FSDP2 casts for the compute)."""
+    return not args.fsdp or variant.endswith("masters")
+
+
+def reference_of(variant: str, args: argparse.Namespace) -> str:
+    """The loop ``variant`` reproduces bitwise: the synchronous wrapper, or with --fsdp the plain loop."""
+    if not args.fsdp:
+        return "sync"
+    return "resident-masters" if bf16_shards(variant, args) else "resident"
 
 
 class ResidentMasters(torch.optim.Optimizer):
@@ -97,8 +118,9 @@ def job_config(args: argparse.Namespace, deterministic: bool) -> Any:
     return job
 
 
-def build(args: argparse.Namespace, deterministic: bool) -> tuple[torch.nn.Module, Any]:
-    """torchtitan's Llama 3 with bf16 params, parallelized by torchtitan, and its optimizer container."""
+def build(args: argparse.Namespace, deterministic: bool, bf16: bool = True) -> tuple[torch.nn.Module, Any]:
+    """torchtitan's Llama 3 with bf16 (or fp32) params, parallelized by torchtitan (with --fsdp also sharded by its
+    ``apply_fsdp`` on a 1-rank mesh), and its optimizer container."""
     from torchtitan.components.optimizer import build_optimizers
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
@@ -116,12 +138,18 @@ def build(args: argparse.Namespace, deterministic: bool) -> tuple[torch.nn.Modul
     )  # fmt: skip
     model_args.update_from_config(job)
     with torch.device("meta"):
-        torch.set_default_dtype(torch.bfloat16)
+        torch.set_default_dtype(torch.bfloat16 if bf16 else torch.float32)
         try:
             model = Transformer(model_args)
         finally:
             torch.set_default_dtype(torch.float32)
     model = parallelize_llama(model, dims, job)
+    if args.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torchtitan.models.llama3.infra.parallelize import apply_fsdp
+
+        mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("dp_shard",))
+        apply_fsdp(model, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32, pp_enabled=False)
     model.to_empty(device=device)
     with torch.no_grad():
         torch.manual_seed(0)
@@ -135,21 +163,24 @@ def make(variant: str, args: argparse.Namespace, deterministic: bool = False) ->
 
     from chunked_offload.torchtitan import wrap_optimizers
 
-    model, optimizers = build(args, deterministic)
+    bf16 = bf16_shards(variant, args)
+    model, optimizers = build(args, deterministic, bf16)
     if variant == "resident-masters":
         optimizers.optimizers[:] = [ResidentMasters(o) for o in optimizers.optimizers]
     elif variant != "resident":
-        mode = variant.removesuffix("-auto")
+        mode = variant.split("-")[0]
         wrap_optimizers(
-            optimizers, [model], chunk_size_mb=args.chunk_mb, num_slots=args.num_slots, master_weights="fp32",
-            overlap=mode == "overlap", step_in_backward=mode == "backward",
-            gpu_budget_mb="auto" if variant.endswith("-auto") else None,
+            optimizers, [model], blocks=variant != "overlap-modules", chunk_size_mb=args.chunk_mb,
+            num_slots=args.num_slots, master_weights="fp32" if bf16 else "none", overlap=mode == "overlap",
+            step_in_backward=mode == "backward", gpu_budget_mb="auto" if variant.endswith("-auto") else None,
         )  # fmt: skip
     job = job_config(args, deterministic)
     return model, optimizers, build_lr_schedulers(optimizers, job.lr_scheduler, args.warmup + args.iters)
 
 
-def train_step(model: torch.nn.Module, optimizers: Any, schedulers: Any, tokens: torch.Tensor, clip: bool) -> None:
+def train_step(
+    model: torch.nn.Module, optimizers: Any, schedulers: Any, tokens: torch.Tensor, clip: bool
+) -> torch.Tensor:
     """torchtitan's train_step for one micro-batch: zero_grad, forward, its loss, backward, its clip, step, LR."""
     from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.distributed import utils as dist_utils
@@ -163,6 +194,7 @@ def train_step(model: torch.nn.Module, optimizers: Any, schedulers: Any, tokens:
         dist_utils.clip_grad_norm_([p for p in model.parameters()], 1.0, foreach=True)
     optimizers.step()
     schedulers.step()
+    return loss.detach()
 
 
 def batches(args: argparse.Namespace, count: int, device: torch.device) -> list[torch.Tensor]:
@@ -205,24 +237,32 @@ def timed(variant: str, args: argparse.Namespace) -> tuple[list[float], int]:
     return seconds, peak
 
 
-def exact(variant: str, args: argparse.Namespace, clip: bool = True) -> bool:
-    """A few deterministic steps of ``variant`` against the synchronous wrapper (bf16 shards, fp32 masters: checked
-    against plain fp32-master loops in tests/) with the same clip choice, bitwise."""
+def exact(variant: str, reference: str, args: argparse.Namespace, clip: bool = True) -> bool:
+    """``args.exact_steps`` deterministic steps of ``variant`` against ``reference`` with the same clip choice: the
+    losses and the params, bitwise. Each chunk's step is slowed (``torch.cuda._sleep``) so that a reader that does not
+    wait for the step stream overtakes it."""
+    from reference import slowed_chunk_steps
+
     clip = clip and variant != "backward"
-    params = []
-    for v in ("sync", variant):
+    runs = []
+    for v in (reference, variant):
         model, optimizers, schedulers = make(v, args, deterministic=True)
-        for tokens in batches(args, args.exact_steps, next(model.parameters()).device):
-            train_step(model, optimizers, schedulers, tokens, clip)
+        with slowed_chunk_steps():
+            losses = [train_step(model, optimizers, schedulers, tokens, clip)
+                      for tokens in batches(args, args.exact_steps, next(model.parameters()).device)]  # fmt: skip
         for opt in getattr(optimizers, "optimizers", []):
             if hasattr(opt, "synchronize"):
                 opt.synchronize()
-        params.append([p.detach().to_local().to(torch.bfloat16) if hasattr(p, "to_local") else p.detach()
-                       for p in model.parameters()])  # fmt: skip
+        params = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in model.parameters()]
+        runs.append((torch.stack(losses).cpu(), [p.clone() for p in params]))
         del model, optimizers, schedulers
         gc.collect()
         torch.cuda.empty_cache()
-    return all(torch.equal(a, b) for a, b in zip(*params, strict=True))
+    (losses_a, params_a), (losses_b, params_b) = runs
+    same = torch.equal(losses_a, losses_b) and all(torch.equal(a, b) for a, b in zip(params_a, params_b, strict=True))
+    if not same:
+        print(f"  {variant} against {reference}: losses {losses_a.tolist()} vs {losses_b.tolist()}")
+    return same
 
 
 def main() -> int:
@@ -241,10 +281,12 @@ def main() -> int:
     parser.add_argument("--num-slots", type=int, default=3)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--skip-exact", action="store_true")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=None, help="default: every variant of the mode")
+    parser.add_argument("--fsdp", action="store_true", help="shard with torchtitan's apply_fsdp on a 1-rank mesh")
     parser.add_argument("--csv", type=Path)
     args = parser.parse_args()
-    variants = [v for v in args.variants.split(",") if v]
+    default = FSDP_VARIANTS if args.fsdp else VARIANTS
+    variants = [v for v in (args.variants or ",".join(default)).split(",") if v]
     if not torch.cuda.is_available():
         print("bench_titan needs a GPU (torchtitan's kernels and FSDP2 over NCCL)")
         return 0
@@ -259,17 +301,19 @@ def main() -> int:
     print(
         f"{device_name(device)}, torch {torch.__version__}, torchtitan {getattr(torchtitan, '__version__', '?')}, "
         f"commit {git_sha()}: Llama 3 dim {args.dim}, {args.layers} layers, {args.batch} x {args.seq} tokens, "
-        f"chunk {args.chunk_mb:g} MB x {args.num_slots}, compile {not args.no_compile}"
+        f"chunk {args.chunk_mb:g} MB x {args.num_slots}, compile {not args.no_compile}, FSDP2 {args.fsdp}"
     )
     recorder = Recorder(device)
     ok = True
     if not args.skip_exact:
-        control = exact("sync", args)
-        print(f"control: sync against itself, deterministic: {'bitwise' if control else 'DIFFERS'}")
-        for v in [v for v in variants if v not in ("resident", "sync")]:  # resident-masters too: the same recipe
-            same = exact(v, args)
+        checked = [v for v in variants if v != reference_of(v, args) and v not in ("resident", "sync")]
+        for control in sorted({reference_of(v, args) for v in checked}):
+            same = exact(control, control, args)
+            print(f"control: {control} against itself, deterministic: {'bitwise' if same else 'DIFFERS'}")
+        for v in checked:  # resident-masters against sync too: the same recipe
+            same = exact(v, reference_of(v, args), args)
             ok = ok and same
-            print(f"bitwise {v}: {'yes' if same else 'NO'}")
+            print(f"bitwise {v} against {reference_of(v, args)}: {'yes' if same else 'NO'}")
     results = {v: timed(v, args) for v in variants}
     bases = {r: statistics.median(results[r][0]) for r in REFERENCES if r in results}
     print(f"{'variant':16s} {'s/iter':>8s} {'p20':>8s} {'p80':>8s}", *(f"{'kept vs ' + r:>24s}" for r in bases),

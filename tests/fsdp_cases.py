@@ -3,7 +3,8 @@ emulated step stream) and tests/cuda/test_fsdp_overlap_cuda.py (GPU, each chunk'
 
 from __future__ import annotations
 
-import os
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,13 +79,18 @@ CASES = [
 ]
 
 
-def init_world_of_one(device: torch.device) -> None:
-    """A process group of one rank (gloo on the CPU, NCCL on a GPU), unless one exists."""
+@contextlib.contextmanager
+def world_of_one(device: torch.device) -> Iterator[None]:
+    """A process group of one rank (gloo on the CPU, NCCL on a GPU) for the block, unless one exists."""
     if dist.is_initialized():
+        yield
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def build(case: Case, device: torch.device, dims: tuple[int, int, int] = (VOCAB, DIM, LAYERS)) -> Net:

@@ -9,6 +9,8 @@ and timing. tests/cuda/test_fsdp_overlap_cuda.py runs the same cases on a GPU wi
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -23,8 +25,9 @@ CHUNK_MB = 2 / 1024  # a few params a chunk: the output projection has a chunk o
 
 
 @pytest.fixture(scope="module", autouse=True)
-def world_of_one() -> None:
-    fsdp_cases.init_world_of_one(CPU)
+def world_of_one() -> Iterator[None]:
+    with fsdp_cases.world_of_one(CPU):
+        yield
 
 
 def _plain(case: Case) -> tuple[fsdp_cases.Net, torch.Tensor]:

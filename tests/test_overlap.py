@@ -217,3 +217,52 @@ def test_a_plain_step_keeps_parameter_order_whatever_the_forward_read() -> None:
         set_grads(params, make_grads(params, k))
         assert [c.index for c in internals(opt).runner.chunks_to_step()] == sorted(c.index for c in opt.plan.all_chunks)
         opt.step()
+
+
+def _enqueue_only(self: Any, indices: list[int], streams: Any = ()) -> None:
+    """A mutant of ``StepWaits.wait_for``: the gates still enqueue the deferred chunks but do not wait for them."""
+    self.runner.advance(indices)
+
+
+def test_the_emulated_step_stream_catches_a_wait_removed_from_the_forward_gates(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Mutation: without their waits the gates pass on the CPU's synchronous step, and fail with the step stream
+    emulated ([Note: Emulated step stream]), where the forward reads params whose update nobody waited for."""
+    from chunked_offload.waits import StepWaits
+
+    plain_model, _ = _train(overlap=False, attach=False, clip=True)
+    monkeypatch.setattr(StepWaits, "wait_for", _enqueue_only)
+    monkeypatch.setenv("CHUNKED_OFFLOAD_EMULATE_STREAMS", "0")
+    model, _ = _train(overlap=True, attach=True, clip=True)
+    for a, b in zip(plain_model.parameters(), model.parameters(), strict=True):
+        assert_equal(a, b)
+    monkeypatch.setenv("CHUNKED_OFFLOAD_EMULATE_STREAMS", "1")
+    model, _ = _train(overlap=True, attach=True, clip=True)
+    assert any(not torch.equal(a, b) for a, b in zip(plain_model.parameters(), model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("emulated", [False, True])
+def test_a_pre_hook_that_runs_before_the_gate_reads_params_the_step_has_not_updated(
+    monkeypatch: pytest.MonkeyPatch, emulated: bool
+) -> None:
+    """A forward pre-hook put before attach()'s gate (prepended after attach) reads the params before their update
+    is waited for: on a GPU it races the step. With the step stream emulated it reads the old bytes every time."""
+    monkeypatch.setenv("CHUNKED_OFFLOAD_EMULATE_STREAMS", "1" if emulated else "0")
+    torch.manual_seed(0)
+    model = _Net()
+    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), chunk_size_mb=4 * _KIB, overlap=True)
+    opt.attach(model)
+    layer = model.body[0]
+    early: list[torch.Tensor] = []
+    late: list[torch.Tensor] = []
+    layer.register_forward_pre_hook(lambda m, args: early.append(m.weight.detach().clone()), prepend=True)
+    layer.register_forward_pre_hook(lambda m, args: late.append(m.weight.detach().clone()))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        x = torch.randint(0, 50, (4, 7), generator=gen)
+        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+    stale = [not torch.equal(before, after) for before, after in zip(early, late, strict=True)]
+    assert any(stale) == emulated, stale
