@@ -469,3 +469,22 @@ def test_a_filesystem_that_is_not_a_local_disk_is_warned_about(tmp_path: Path, m
     monkeypatch.setattr(spill_module, "filesystem_of", lambda path: "tmpfs")
     with pytest.warns(UserWarning, match="is on a tmpfs filesystem: a disk tier there"):
         build("sync", "none", spill_dir=tmp_path, host_budget_mb=1)
+
+
+def test_an_in_place_state_write_after_prefetch_is_staged_again_from_disk(tmp_path: Path) -> None:
+    """prefetch() has read the chunks' files; a write into their state in place afterwards reaches the step."""
+
+    def write_after_prefetch(i: int, model: torch.nn.Module, opt: Any) -> None:
+        if i >= 2:
+            if hasattr(opt, "prefetch"):
+                opt.prefetch()
+            for p in list(model.parameters())[:3]:
+                opt.state[p]["exp_avg"].mul_(0.5)
+                opt.state[p]["exp_avg_sq"].add_(1.0)
+
+    plain = build("plain")
+    train(*plain, range(4), after_backward=write_after_prefetch)
+    model, opt = build("sync", spill_dir=tmp_path, host_budget_mb=budget_for(build("sync")[1].plan, 0.9))
+    train(model, opt, range(4), after_backward=write_after_prefetch)
+    assert opt.plan.disk_nbytes > 0
+    assert_same(plain[0], model)

@@ -45,7 +45,9 @@ def test_prefetch_is_taken_over_by_the_step() -> None:
     assert_pair_equal(ref, ref_params, opt, params)
 
 
-@pytest.mark.parametrize("between", ["grads_change", "state_write", "load_state_dict", "offload", "replan"])
+@pytest.mark.parametrize(
+    "between", ["grads_change", "state_write", "state_write_in_place", "load_state_dict", "offload", "replan"]
+)
 def test_a_stale_prefetch_is_dropped_and_the_step_stays_exact(between: str) -> None:
     ref, ref_params, opt, params = adamw_pair(offload_fraction=0.6)
     run_steps(ref, ref_params, 2)
@@ -61,6 +63,10 @@ def test_a_stale_prefetch_is_dropped_and_the_step_stays_exact(between: str) -> N
         for p, rp in ((params[0], ref_params[0]), (params[-1], ref_params[-1])):
             opt.state[p]["exp_avg"] = torch.full_like(p, 0.25)
             ref.state[rp]["exp_avg"] = torch.full_like(rp, 0.25)
+    elif between == "state_write_in_place":  # into the host copy the prefetch has already read
+        for p, rp in ((params[0], ref_params[0]), (params[-1], ref_params[-1])):
+            opt.state[p]["exp_avg"].mul_(0.5)
+            ref.state[rp]["exp_avg"].mul_(0.5)
     elif between == "load_state_dict":
         opt.load_state_dict(saved)
     elif between == "offload":

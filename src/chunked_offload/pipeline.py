@@ -91,6 +91,13 @@ class ChunkPipeline:
                 return True
         return False
 
+    def state_versions(self, chunks: Sequence[Chunk]) -> list[int]:
+        """The version counters of the state tensors the inner holds for ``chunks``: a write into one bumps it."""
+        layout, stepper = self._require()
+        state = stepper.inner.state
+        entries = [state.get(layout.infos[i].param, {}) for c in chunks for i in c.params]
+        return [local(t)._version for entry in entries for t in entry.values() if isinstance(t, torch.Tensor)]
+
     def start(self, chunks: Sequence[Chunk], fresh: Sequence[bool], depth: int) -> dict[int, Event]:
         """Take the slots' memory when any chunk is staged, order this step's H2D after the last write-back, and
         start the H2D of the first ``depth`` chunks; returns their events by position.

@@ -27,6 +27,8 @@ class _Stager(Protocol):
 
     def has_state(self, chunk: Chunk) -> bool: ...
 
+    def state_versions(self, chunks: Sequence[Chunk]) -> list[int]: ...
+
     def start(self, chunks: Sequence[Chunk], fresh: Sequence[bool], depth: int) -> dict[int, Event]: ...
 
     def drain_and_release(self) -> None: ...
@@ -34,12 +36,13 @@ class _Stager(Protocol):
 
 @dataclass
 class _Prefetch:
-    """The H2D copies ``prefetch()`` started: which chunks, and the version of the homes they read."""
+    """The H2D copies ``prefetch()`` started: which chunks, and the versions of the homes and the state they read."""
 
     chunk_indices: list[int]
     fresh: list[bool]
     events: dict[int, Event]
-    home_version: int
+    home_version: int  # bumped by the wrapper's own writes into the homes (an assignment, a load, a re-plan)
+    state_versions: list[int]  # bumped by an in-place write into a state tensor (``opt.state[p][k].mul_(0.5)``)
 
 
 class Prefetcher:
@@ -65,7 +68,8 @@ class Prefetcher:
         """Start the H2D of the first chunks a step of ``chunks`` will stage; ``take`` hands them over.
 
         The slots hold their memory from now until that step. If the step turns out to need other chunks, or the
-        homes are written in between, the staged bytes are dropped and the step stages them again.
+        homes or the chunks' state tensors are written in between (in place too), the staged bytes are dropped and
+        the step stages them again.
         """
         self.drop()
         stager = self._stager
@@ -79,7 +83,8 @@ class Prefetcher:
             stager.drain_and_release()  # nothing was modified (an H2D only reads the homes); the step stages again
             raise
         indices = [c.index for c in chunks[:depth]]
-        self._prefetched = _Prefetch(indices, fresh[:depth], events, stager.engine.home_version)
+        versions = stager.state_versions(chunks[:depth])
+        self._prefetched = _Prefetch(indices, fresh[:depth], events, stager.engine.home_version, versions)
 
     def take(self, chunks: Sequence[Chunk], fresh: Sequence[bool]) -> dict[int, Event] | None:
         """The H2D events of a prefetch that matches this step's first chunks, or None (after dropping any other)."""
@@ -91,6 +96,7 @@ class Prefetcher:
             taken.home_version == self._stager.engine.home_version
             and [c.index for c in chunks[:n]] == taken.chunk_indices
             and list(fresh[:n]) == taken.fresh
+            and self._stager.state_versions(chunks[:n]) == taken.state_versions
         ):
             self._prefetched = None
             return taken.events
