@@ -488,3 +488,50 @@ def test_an_in_place_state_write_after_prefetch_is_staged_again_from_disk(tmp_pa
     train(model, opt, range(4), after_backward=write_after_prefetch)
     assert opt.plan.disk_nbytes > 0
     assert_same(plain[0], model)
+
+
+def test_a_read_interrupted_by_ctrl_c_is_waited_for_before_its_bounce_is_used_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A SIGINT while step() waits on a slow read: the read still lands in its bounce after the step has raised. The
+    bounce is given to no other read until it has (a late read landing in a reused bounce was persisted as the
+    chunk's state), and the retried step is bitwise."""
+    import signal
+    import threading
+    import time
+
+    opt, params, twin, twin_params = _pair("adamw", tmp_path)
+    run_steps(twin, twin_params, 2)
+    run_steps(opt, params, 2)
+    original = disk_module.read_file_into
+    log: list[tuple[bool, int, float, float]] = []  # (stalled, bounce address, start, end) of each read
+    stall = {"armed": True}
+
+    def slow_read(path: Path, out: torch.Tensor) -> None:
+        start, stalled = time.monotonic(), stall.pop("armed", False)
+        if stalled:  # the first read: stalled, and Ctrl-C 0.3 s into the stall
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+            time.sleep(1.0)
+        original(path, out)
+        log.append((stalled, out.data_ptr(), start, time.monotonic()))
+
+    monkeypatch.setattr(disk_module, "read_file_into", slow_read)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        set_grads(params, make_grads(params, 2))
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    run_steps(opt, params, 3, first_step=2)
+    run_steps(twin, twin_params, 3, first_step=2)
+    deadline = time.monotonic() + 10
+    while not any(entry[0] for entry in log) and time.monotonic() < deadline:
+        time.sleep(0.05)  # without the wait for it, the stalled read is still running here
+    (_, address, began, ended) = next(entry for entry in log if entry[0])
+    later = [start for _, at, start, _ in log if at == address and start > began]
+    assert later, "the stalled read's bounce was not used again"
+    assert all(start >= ended for start in later), "a read reused the bounce before the stalled one had ended"
+    for p, q in zip(params, twin_params, strict=True):
+        assert_equal(p, q)
+    assert_states_equal(twin, twin_params, opt, params)

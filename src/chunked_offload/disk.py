@@ -202,7 +202,10 @@ class DiskStore:
         try:
             self.stats.read_seconds += bounce.read.result()
         except BaseException:
-            bounce.chunk, bounce.read = None, None
+            if bounce.read.done():  # the read failed: the bounce is free
+                bounce.chunk, bounce.read = None, None
+            # Else the wait was interrupted (a KeyboardInterrupt) and the read still lands in the bounce: it keeps
+            # the read, so that a retry waits for it and no other chunk is given the bounce before it has ended.
             raise
         finally:
             self.stats.wait_seconds += time.perf_counter() - start
@@ -246,7 +249,7 @@ class DiskStore:
         if bounce.read is not None:
             try:
                 bounce.read.result()
-            except BaseException:
+            except Exception:  # a failed read; an interrupted wait propagates, and the bounce keeps its read
                 pass
         bounce.chunk, bounce.read, bounce.staged = None, None, False
 
