@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
-from chunked_offload import ChunkedOffloadOptimizer, Phase
-from reference import assert_equal, assert_states_equal, internals
+from chunked_offload import ChunkedOffloadOptimizer, ChunkedOffloadWarning, Phase
+from reference import adamw_pair, assert_equal, assert_pair_equal, assert_states_equal, internals, run_steps
 
 _KIB = 1 / 1024  # MiB
 
@@ -534,3 +535,31 @@ def test_a_group_whose_code_path_depends_on_every_grad_steps_at_the_end_of_the_b
     for (name, a), b in zip(plain_model.named_parameters(), model.parameters(), strict=True):
         assert_equal(a, b, name)
     assert_states_equal(plain, list(plain_model.parameters()), opt, list(model.parameters()))
+
+
+def test_step_in_backward_where_no_grad_hook_fires_warns_once_and_stays_exact() -> None:
+    """Grads assigned by hand (as Megatron assigns its fp32 main grads) reach no post-accumulate-grad hook: every
+    chunk steps in step(), bitwise, and the wrapper says so once, from the second step on (the first backward only
+    observes)."""
+    ref, ref_params, opt, params = adamw_pair(step_in_backward=True)
+    run_steps(ref, ref_params, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_steps(opt, params, 1)
+        assert not caught
+        run_steps(opt, params, 3, first_step=1)
+    messages = [str(w.message) for w in caught if issubclass(w.category, ChunkedOffloadWarning)]
+    assert len(messages) == 1 and "got its grad from autograd" in messages[0] and "overlap=True" in messages[0]
+    assert_pair_equal(ref, ref_params, opt, params)
+
+
+def test_step_in_backward_whose_backward_steps_never_warns_that_no_hook_fired() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(model.parameters()), chunk_size_mb=1 / 1024, step_in_backward=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ChunkedOffloadWarning)
+        for _ in range(4):
+            model(torch.randn(3, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()

@@ -9,7 +9,26 @@ import warnings
 
 import torch
 
-__all__ = ["ChunkedOffloadWarning", "Notices", "warn"]
+__all__ = ["NOT_ACCUMULATING", "NO_GRAD_HOOKS", "UNATTACHED", "ChunkedOffloadWarning", "Notices", "warn"]
+
+# What the step runner warns of, once per wrapper.
+UNATTACHED = (
+    "overlap=True without an attached model: step() makes the caller's stream wait for the whole step, so nothing "
+    "overlaps it. Call opt.attach(model) so that each module's forward waits for its own params"
+)
+
+NO_GRAD_HOOKS = (
+    "step_in_backward=True, but no param of this optimizer got its grad from autograd in the backward before this "
+    "step() (their post-accumulate-grad hooks never ran: params that do not require grad, or grads assigned after "
+    "the backward, as Megatron's fp32 main params), so step() stepped every chunk itself, as step_in_backward=False "
+    "does. Use overlap=True with opt.attach(model) to hide the step under the next forward, or step_in_backward=False "
+    "(docs/modes.md)"
+)
+
+NOT_ACCUMULATING = (
+    "opt.accumulating() does nothing without step_in_backward=True: backward passes never step then, and step() "
+    "steps with the accumulated grads. Leave the block out"
+)
 
 
 class ChunkedOffloadWarning(UserWarning):

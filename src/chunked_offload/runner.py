@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from . import backward_watch as refusals
+from . import notices
 from .backward_loop import BackwardLoop
 from .budget import AutoBudget
 from .checks import check_grads
@@ -30,16 +31,6 @@ from .telemetry import StepRecord
 from .transfer import MoveHandle
 
 __all__ = ["StepRunner"]
-
-_UNATTACHED = (
-    "overlap=True without an attached model: step() makes the caller's stream wait for the whole step, so nothing "
-    "overlaps it. Call opt.attach(model) so that each module's forward waits for its own params"
-)
-
-_NOT_ACCUMULATING = (
-    "opt.accumulating() does nothing without step_in_backward=True: backward passes never step then, and step() "
-    "steps with the accumulated grads. Leave the block out"
-)
 
 
 class StepRunner:
@@ -90,6 +81,9 @@ class StepRunner:
         self.loop = BackwardLoop(self.step_in_backward, schedule.pipeline, self.inner.param_groups)
         self.backward: BackwardSchedule | None = None  # while IN_BACKWARD
         self._layout: Layout | None = None  # the layout the grad hooks and the phase were last brought in line with
+        self._grads_seen = (
+            False  # with step_in_backward: a grad hook of this optimizer's params ran since the last step
+        )
 
     # ------------------------------------------------------------------ step()
     def step(self, closure: Callable[[], Any] | None, scaler: Mapping[str, torch.Tensor]) -> Any:
@@ -110,12 +104,15 @@ class StepRunner:
                     loss = closure()
             self._run_step(scaler)
         self.context.run_inner_hooks("_optimizer_step_post_hooks", args, kwargs)
+        self._grads_seen = False
         return loss
 
     def _run_step(self, scaler: Mapping[str, torch.Tensor]) -> None:
         """A step of what has grads now, by the ordered schedule ([Note: Step schedule])."""
         observed = self.loop.check_observation(bool(scaler))
         chunks = self.chunks_to_step()
+        if self.step_in_backward and self.opened and chunks and not self._grads_seen:
+            self.notices.warn("no-grad-hooks", notices.NO_GRAD_HOOKS)
         skip_staged = skipped_by_scaler(scaler)
         eager = sum(1 for c in chunks if self.schedule.eager(c)) if self.overlap and self.gate.gating else len(chunks)
         detached = eager < len(chunks)  # else it runs on the caller's stream ([Note: Overlapped step])
@@ -152,7 +149,7 @@ class StepRunner:
         if self.overlap:
             self.schedule.reads.start()  # the next forward's reads order the next step's chunks
             if not self.gate.attached:
-                self.notices.warn("overlap-unattached", _UNATTACHED)
+                self.notices.warn("overlap-unattached", notices.UNATTACHED)
         if eager is None:
             self.gate.join()  # the caller's next work (a forward, grads zeroed in place) waits for the whole step
         elif eager:  # no attached forward waits for the params of these chunks: the caller's stream does, now
@@ -189,10 +186,11 @@ class StepRunner:
     def grad_final(self, param: torch.Tensor) -> None:
         """A param's grad is final in this backward pass ([Note: Step in backward])."""
         self.reap()
-        if self.loop.suspended or self.phase.phase is Phase.ACCUMULATING:
-            return
         index = self.placement.binding.index_of(param)
         if index is None:
+            return
+        self._grads_seen = True
+        if self.loop.suspended or self.phase.phase is Phase.ACCUMULATING:
             return
         if self.loop.observing:
             if self.loop.observation is None:
@@ -269,7 +267,7 @@ class StepRunner:
     def accumulating(self) -> Iterator[None]:
         """Backward passes inside do not step (``step_in_backward``); the phase goes back where it was after."""
         if not self.step_in_backward:
-            self.notices.warn("accumulating", _NOT_ACCUMULATING)
+            self.notices.warn("accumulating", notices.NOT_ACCUMULATING)
             yield
             return
         self.flush()
