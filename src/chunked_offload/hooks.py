@@ -104,6 +104,14 @@ def _is_ddp(model: torch.nn.Module) -> bool:
     return any(isinstance(m, DistributedDataParallel) for m in model.modules())
 
 
+def _is_fsdp1(model: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # a torch built without distributed
+        return False
+    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+
+
 def attach(model: torch.nn.Module, runtime: Runtime, *, blocks: bool = False) -> AttachHandle:
     """Gate the forward of the modules of ``model`` that hold params on the updates of those params.
 
@@ -126,8 +134,11 @@ def attach(model: torch.nn.Module, runtime: Runtime, *, blocks: bool = False) ->
     compiled before is not reused without them ([Note: Gates in compiled graphs]). Copies of the model carry none of
     the hooks ([Note: Hooks in copies]).
 
-    ``attach()`` refuses a module whose forward never runs (a container: attach the module that calls it), one that
-    holds none of the optimizer's params, and, with ``step_in_backward=True``, a DDP model.
+    Whose reads this orders: the forward on the caller's stream, compiled graphs (at their boundary), FSDP2's copies
+    on its own streams, and DDP's (its forward reads no param on a stream of its own). ``attach()`` refuses a module
+    whose forward never runs (a container: attach the module that calls it), one that holds none of the optimizer's
+    params, with ``overlap=True`` an FSDP1 model (its all-gather stream is not ordered after a deferred chunk), and,
+    with ``step_in_backward=True``, a DDP model.
     """
     _check_attachable(model, runtime, blocks)
     ref = weakref.ref(runtime)  # the model must not keep the wrapper (and its host memory) alive
@@ -171,6 +182,13 @@ def _check_attachable(model: torch.nn.Module, runtime: Runtime, blocks: bool) ->
             f"attach() got a {type(model).__name__} that holds none of this optimizer's params (it holds {total} "
             "params of its own): its forward would wait for nothing while the step updates params it does not "
             "hold. Attach the model whose parameters the optimizer steps"
+        )
+    if not runtime.step_in_backward and _is_fsdp1(model):
+        raise ValueError(
+            "attach() of a model wrapped in FSDP1 (FullyShardedDataParallel) with overlap=True: FSDP1 all-gathers its "
+            "flat params on a stream of its own that waits for the caller's stream once per forward, before any "
+            "module's gate, so a deferred chunk's update could land after the all-gather read its params. Shard with "
+            "FSDP2 (fully_shard), whose every unshard waits for the updates of its params, or use overlap=False"
         )
     if runtime.step_in_backward and _is_ddp(model):
         raise ValueError(

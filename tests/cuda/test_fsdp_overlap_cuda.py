@@ -55,3 +55,14 @@ def test_fsdp2_overlap_raced_by_the_forward_matches_the_plain_loop(case: Case) -
         opt.wait_step()
     assert opt.stats is not None and opt.stats.chunks > 4
     fsdp_cases.assert_same_run(plain, (model, losses))
+
+
+def test_overlap_refuses_to_attach_an_fsdp1_model() -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from chunked_offload import ChunkedOffloadOptimizer
+
+    model = FullyShardedDataParallel(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).cuda())
+    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap=True)
+    with pytest.raises(ValueError, match=r"FSDP1 \(FullyShardedDataParallel\) with overlap=True"):
+        opt.attach(model)
