@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 
-__all__ = ["Call", "Hook", "Runtime", "inert", "opaque", "run_eagerly_at_the_top"]
+__all__ = ["Call", "Hook", "Runtime", "inert", "opaque", "prepare_for_dynamo", "run_eagerly_at_the_top"]
 
 # [Note: Opaque to dynamo]
 # torch.compile must never trace the wrapper's own code: traced, the step's waits and launches would be specialised
@@ -16,7 +17,35 @@ __all__ = ["Call", "Hook", "Runtime", "inert", "opaque", "run_eagerly_at_the_top
 # eager step. Entry points that run eagerly only (step(), the grad and state-dict hooks, the eager body of a forward
 # hook) are wrapped in torch.compiler.disable. The forward hooks are traced with the module: under dynamo they record
 # a custom op instead of calling the runtime, and add no graph break ([Note: Gates in compiled graphs] in compiled.py).
-opaque = torch.compiler.disable
+# Importing dynamo costs most of a second, so ``import chunked_offload`` does not: ``opaque`` and
+# ``run_eagerly_at_the_top`` take effect in ``prepare_for_dynamo``, which a wrapper's construction calls. No hook or
+# method they mark can run before a wrapper exists.
+
+F = TypeVar("F", bound=Callable[..., Any])
+_pending: list[Callable[[], None]] = []  # what prepare_for_dynamo does once
+
+
+def opaque(fn: F) -> F:
+    """``fn`` behind ``torch.compiler.disable``, made by ``prepare_for_dynamo`` ([Note: Opaque to dynamo])."""
+    disabled: list[Callable[..., Any]] = []
+
+    def disable() -> None:
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn))
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        disable()  # a no-op once prepared
+        return disabled[0](*args, **kwargs)
+
+    _pending.append(disable)
+    return cast(F, call)
+
+
+def prepare_for_dynamo() -> None:
+    """Import dynamo and apply what ``opaque`` and ``run_eagerly_at_the_top`` asked for (once)."""
+    while _pending:
+        _pending.pop()()
 
 
 class Runtime(Protocol):
@@ -99,9 +128,15 @@ def the_inert_hook() -> Callable[..., None]:
 def run_eagerly_at_the_top(*methods: Callable[..., Any]) -> None:
     """Dynamo compiles a frame it meets outside a graph being traced (a hook the eager part of a compiled module's
     ``_call_impl`` calls), here into a graph of one op; running these eagerly there instead costs nothing. Traced
-    inside a graph, they still record their ops ([Note: Gates in compiled graphs])."""
-    skip = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
-    skip_code = getattr(skip, "skip_code", None)
-    if skip_code is not None:
-        for method in methods:
-            skip_code(method.__code__)
+    inside a graph, they still record their ops ([Note: Gates in compiled graphs]). Applied by
+    ``prepare_for_dynamo``."""
+
+    def skip() -> None:
+        import torch._dynamo
+
+        skip_code = getattr(getattr(torch._dynamo, "eval_frame", None), "skip_code", None)
+        if skip_code is not None:
+            for method in methods:
+                skip_code(method.__code__)
+
+    _pending.append(skip)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,14 +13,16 @@ from .planner import TensorSpec, align
 
 __all__ = ["is_dtensor", "like_param", "local", "planning_weight", "rewrap", "same_tensor", "show"]
 
-try:  # DTensor params (FSDP2): the wrapper offloads each rank's local shard
-    from torch.distributed.tensor import DTensor, Shard
-except ImportError:  # a torch built without distributed
-    DTensor = Shard = None  # type: ignore[assignment,misc]
+
+def _dtensor_module() -> Any:
+    """``torch.distributed.tensor`` if it is imported, else None: a DTensor exists only once it is, and importing it
+    costs 0.7 s, so ``import chunked_offload`` leaves it to the code that makes DTensors (FSDP2)."""
+    return sys.modules.get("torch.distributed.tensor")
 
 
 def is_dtensor(t: object) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    module = _dtensor_module()
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -40,7 +43,7 @@ def like_param(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
     p: Any = param
     spec = DTensorSpec(p.device_mesh, tuple(p.placements), tensor_meta=TensorMeta(p.shape, p.stride(), t.dtype))
-    return DTensor(t, spec, requires_grad=False)
+    return _dtensor_module().DTensor(t, spec, requires_grad=False)
 
 
 def rewrap(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -48,7 +51,7 @@ def rewrap(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     if not is_dtensor(like):
         return t
     d: Any = like
-    return DTensor(t, d._spec, requires_grad=False)
+    return _dtensor_module().DTensor(t, d._spec, requires_grad=False)
 
 
 def show(param: torch.Tensor, data: torch.Tensor, parts: Any = None) -> Any:
@@ -84,8 +87,9 @@ def planning_weight(p: torch.Tensor, specs: Sequence[TensorSpec]) -> int | None:
         return None
     d: Any = p
     shape = list(d.shape)
+    shard = _dtensor_module().Shard
     for mesh_dim, placement in enumerate(d.placements):
-        if Shard is not None and isinstance(placement, Shard):
+        if isinstance(placement, shard):
             shape[placement.dim] = -(-shape[placement.dim] // d.device_mesh.size(mesh_dim))
     numel = math.prod(shape)
     return sum(align(numel * s.dtype.itemsize) for s in specs)

@@ -14,6 +14,7 @@ import torch
 
 from .adapters import Adapter
 from .budget import auto_budget, budget_options
+from .callbacks import prepare_for_dynamo
 from .context import StepContext
 from .gate import StepGate
 from .grad_hooks import GradHooks
@@ -133,6 +134,7 @@ def build_parts(
     post_hooks: Mapping[int, Any],
 ) -> Parts:
     """Build the parts, bottom up; the layout is installed by the caller."""
+    prepare_for_dynamo()  # [Note: Opaque to dynamo]: before any hook or method of the parts can run
     notices, phase = Notices(), PhaseMachine()
     streams = StreamContext(device, options.mode)
     engine = TransferEngine(streams)
