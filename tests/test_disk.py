@@ -466,9 +466,12 @@ def test_spill_dir_alone_budgets_what_the_host_has_available(tmp_path: Path, mon
 
 
 def test_a_filesystem_that_is_not_a_local_disk_is_warned_about(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from chunked_offload import ChunkedOffloadWarning
+
     monkeypatch.setattr(spill_module, "filesystem_of", lambda path: "tmpfs")
-    with pytest.warns(UserWarning, match="is on a tmpfs filesystem: a disk tier there"):
-        build("sync", "none", spill_dir=tmp_path, host_budget_mb=1)
+    with pytest.warns(ChunkedOffloadWarning, match="is on a tmpfs filesystem: a disk tier there") as caught:
+        ChunkedOffloadOptimizer(torch.optim.AdamW(make_params(SHAPES)), spill_dir=tmp_path, host_budget_mb=1)
+    assert [w.filename for w in caught] == [__file__]  # the caller's line
 
 
 def test_an_in_place_state_write_after_prefetch_is_staged_again_from_disk(tmp_path: Path) -> None:

@@ -203,7 +203,7 @@ def changes_refusal(changed: Sequence[int], written: Sequence[str], *, stepped: 
             "step() (gradient clipping, GradScaler's unscale_, a DDP or hand-written all-reduce, zero_grad, or a grad "
             "set or replaced by hand)"
         )
-        fix = "Use step_in_backward=False for this loop (overlap=True hides most of the step: docs/tuning.md)"
+        fix = "Use step_in_backward=False for this loop (overlap=True hides most of the step: docs/modes.md)"
     else:
         what = "param_groups were written between the backward pass and step(): " + "; ".join(written[:3])
         fix = (

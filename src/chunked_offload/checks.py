@@ -71,7 +71,7 @@ def check_options(
     if overlap and step_in_backward:
         raise ValueError(
             "pass overlap=True or step_in_backward=True, not both: they are two ways to hide the step (the next "
-            "forward overlaps it, or the backward runs it); docs/tuning.md says which fits which loop"
+            "forward overlaps it, or the backward runs it); docs/modes.md says which fits which loop"
         )
     if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
         raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")

@@ -254,7 +254,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         Needed with ``overlap=True``: ``step()`` then returns before its chunks finish, and the next forward
         overlaps them ([Note: Overlapped step]). ``model.state_dict()`` and ``model.load_state_dict()`` wait for the
         step too. Returns a handle whose ``remove()`` takes the hooks off. Any other read of a param outside the
-        forward of a module that holds it needs ``opt.wait_step()`` first (docs/tuning.md lists them).
+        forward of a module that holds it needs ``opt.wait_step()`` first (docs/modes.md lists them).
         ``blocks=True`` gates each repeated block (a transformer layer) as a whole.
         """
         if not (self.overlap or self.step_in_backward):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import warnings
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from .grad_hooks import GradHooks
 from .hooks import HookSet
 from .masters import MasterMode
 from .mode import StepMode
-from .notices import Notices
+from .notices import Notices, warn
 from .phase import PhaseMachine
 from .pipeline import ChunkPipeline
 from .placement import Placement, PlanOptions
@@ -81,7 +80,7 @@ class Options:
         budget_mb, headroom_mb = budget_options(gpu_budget_mb, gpu_headroom_mb)  # "auto": planned offloaded first
         spill_path = None if spill_dir is None else Path(spill_dir)
         if spill_path is not None and (warning := check_spill_dir(spill_path)) is not None:
-            warnings.warn(warning, stacklevel=4)
+            warn(warning)  # at the caller's line, in the category users filter
         host_budget = None
         if spill_path is not None:  # [Note: Disk tier]: measured once, at construction
             auto = host_budget_mb is None or host_budget_mb == "auto"
