@@ -65,9 +65,11 @@ ORDER = [
     "hooks",
     "state_dict",
     "wiring",
+    "memory",
     "optimizer",
     "torchtitan",
     "",  # the package's __init__
+    "__main__",
 ]
 
 
