@@ -34,9 +34,10 @@ test-fast: venv
 docs: venv
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -q
 
-# Renders the home page and the API page in headless Chromium (Debian: apt-get install chromium) into site/shots/.
+# Checks every page of the built site (lists rendered, no source-comment pointers), then renders each in headless
+# Chromium (Debian: apt-get install chromium) into site/shots/.
 docs-check: docs
-	bash scripts/docs-check.sh
+	PYTHON=$(PY) bash scripts/docs-check.sh
 
 bench: venv
 	$(PY) benchmarks/bench_step.py

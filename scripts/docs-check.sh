@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
-# Screenshots of the built site (make docs first): the home page and the API page, rendered by headless Chromium.
-#   bash scripts/docs-check.sh        -> site/shots/home.png, site/shots/api.png
+# The built site (make docs first), checked page by page: scripts/check_site.py (every list rendered as a list, no
+# source-comment pointers on the user pages), then a screenshot of every page in headless Chromium, for a look.
+#   bash scripts/docs-check.sh        -> site/shots/<page>.png
 set -euo pipefail
 cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+"$python" scripts/check_site.py site
 browser=$(command -v chromium || command -v chromium-browser || command -v google-chrome || true)
 if [ -z "$browser" ]; then
   echo "no Chromium found: apt-get install chromium (Debian), then run make docs-check again" >&2
   exit 2
 fi
 mkdir -p site/shots
-for page in home:index.html api:api/index.html; do
-  name=${page%%:*} path=${page#*:}
+count=0
+while IFS= read -r page; do
+  rel=${page#site/}
+  name=$(dirname "$rel" | tr '/' '-'); [ "$name" = "." ] && name=home
   "$browser" --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1280,1600 \
-    --screenshot="site/shots/$name.png" "file://$PWD/site/$path" > /dev/null 2>&1
-  [ -s "site/shots/$name.png" ] || { echo "no screenshot of $path" >&2; exit 1; }
-  echo "site/shots/$name.png ($(stat -c %s "site/shots/$name.png") bytes)"
-done
+    --screenshot="site/shots/$name.png" "file://$PWD/$page" > /dev/null 2>&1
+  [ -s "site/shots/$name.png" ] || { echo "no screenshot of $rel" >&2; exit 1; }
+  count=$((count + 1))
+done < <(find site -name index.html -not -path "site/shots/*" | sort)
+echo "$count pages rendered into site/shots/"

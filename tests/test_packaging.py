@@ -98,3 +98,34 @@ def test_the_citation_and_the_changelog_name_the_current_version() -> None:
     assert f"\nversion: {version}\n" in (ROOT / "CITATION.cff").read_text()
     headings = [line for line in (ROOT / "CHANGELOG.md").read_text().splitlines() if line.startswith("## ")]
     assert headings[0] == "## [Unreleased]" and headings[1].startswith(f"## [{version}] - ")  # Keep a Changelog
+
+
+def test_the_wheel_installs_into_a_clean_venv_and_runs_the_readme_quick_start(built: Path, tmp_path: Path) -> None:
+    """What a user does today: install the wheel that ``python -m build`` makes (with torch) into a fresh virtualenv
+    and run the README's quick start, away from this checkout."""
+    import subprocess
+    import sys
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    (wheel,) = built.glob("*.whl")
+    torch_spec = f"torch=={__import__('torch').__version__.split('+')[0]}"  # the build this suite runs on
+    done = subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", torch_spec, str(wheel)],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Quick start") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    assert code is not None
+    script = tmp_path / "quick_start.py"
+    script.write_text(code.group(1).replace("/tmp/optim.pt", str(tmp_path / "optim.pt")))
+    run = subprocess.run([str(python), str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "ChunkPlan:" in run.stdout
+    where = subprocess.run(
+        [str(python), "-c", "import chunked_offload; print(chunked_offload.__file__)"], capture_output=True, text=True
+    ).stdout
+    assert where.startswith(str(venv)), where  # the installed wheel, not this checkout

@@ -22,6 +22,9 @@ def test_readme_quick_start_runs(
     assert "ChunkPlan:" in capsys.readouterr().out
 
 
-def test_readme_opens_with_the_two_commands() -> None:
-    first_block = README.read_text().split("```")[1]
-    assert "make bench" in first_block and "make test" in first_block
+def test_readme_opens_for_users_and_gives_the_contributor_commands() -> None:
+    text = README.read_text()
+    first_screen = text[: text.index("## Quick start")]
+    assert "bitwise" in first_screen and "## Install" in first_screen and "pip install ." in first_screen
+    contributors = text[text.index("## For contributors") :].split("```")[1]
+    assert all(f"make {c}" in contributors for c in ("test-fast", "test", "bench"))

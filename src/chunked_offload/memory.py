@@ -61,11 +61,17 @@ class MemoryPlan:
         """On the GPU beside the activations: the model, the resident state and the window."""
         return self.model_gpu + self.resident_gpu + self.window_gpu
 
+    @property
+    def _host_fix(self) -> str:
+        if self.plan.disk_chunks:
+            return "lower host_budget_mb (more of the state on disk)"
+        return "pass spill_dir (a disk tier), use master_weights='remainder', or shard with FSDP2"
+
     def report(self, gpu_free: int | None, host_free: int | None, disk_free: int | None) -> str:
         """The plan as text, with what this machine has free and what to change where it falls short."""
         rows = [
             ("GPU", self.gpu, gpu_free, "lower chunk_size_mb or gpu_budget_mb, or use master_weights='remainder'"),
-            ("pinned host", self.pinned_host, host_free, "pass spill_dir (a disk tier) or a lower host_budget_mb"),
+            ("pinned host", self.pinned_host, host_free, self._host_fix),
             ("disk", self.disk, disk_free, "free space in spill_dir, or raise host_budget_mb"),
         ]
         lines = [

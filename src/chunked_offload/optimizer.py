@@ -38,11 +38,12 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
     optimizers whose update of each parameter depends on that parameter alone the result is bitwise identical
     to stepping the unwrapped optimizer.
 
-    Example::
-
+    Example:
+        ```python
         inner = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
         opt = ChunkedOffloadOptimizer(inner, chunk_size_mb=256)
         loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+        ```
 
     ``opt.param_groups`` and ``opt.state`` are the inner optimizer's own objects, so LR schedulers, ``zero_grad``
     and ``add_param_group`` act on the inner optimizer. Tensors assigned into ``opt.state`` are copied into the host
