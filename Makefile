@@ -14,10 +14,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)" "pytest>=8" "pytest-xdist>=3" "hypothesis>=6" numpy expecttest accelerate pytorch-lightning transformers tqdm ruff mypy build matplotlib
 	$(PY) -m pip install -q "mkdocs>=1.6" "mkdocs-material>=9.5" "mkdocstrings[python]>=0.26"
-	# torchtitan 0.3 for tests/test_torchtitan.py: without its data, logging and checkpoint dependencies.
-	$(PY) -m pip install -q --no-deps "torchtitan==0.3.0"
 	$(PY) -m pip install -q "spmd_types==0.2.3" tyro einops safetensors triton
 	$(PY) -m pip install -q --no-deps -e .
+	# torchtitan 0.3 for tests/test_torchtitan.py, without its data, logging and checkpoint dependencies: last, so
+	# that no later install reports them missing.
+	$(PY) -m pip install -q --no-deps "torchtitan==0.3.0"
 	touch $@
 
 # The docs build strictly, then the whole suite on every core (pytest-xdist). pytest exits 5 when every collected test
