@@ -66,6 +66,9 @@ def test_a_param_count_plans_square_matrices_and_the_command_reports_it() -> Non
     memory = plan_memory(10 * 64 * 64 + 7, width=64, master_weights="fp32", chunk_size_mb=0.05)
     assert memory.params == 10 * 64 * 64 + 7
     assert memory.pinned_host == memory.plan.host_nbytes >= 12 * memory.params  # AdamW moments and fp32 masters
+    overlapped = plan_memory(10 * 64 * 64 + 7, width=64, master_weights="fp32", chunk_size_mb=0.05, mode="overlap")
+    assert overlapped.grad_copies_gpu == 2 * memory.params  # bf16 grads of every offloaded param
+    assert overlapped.gpu == memory.gpu + overlapped.grad_copies_gpu
     out = subprocess.run(
         [sys.executable, "-m", "chunked_offload", "plan", "--params", "7e9", "--master-weights", "fp32"],
         capture_output=True, text=True, check=True,
@@ -76,6 +79,8 @@ def test_a_param_count_plans_square_matrices_and_the_command_reports_it() -> Non
 def test_bad_input_is_refused_with_what_was_given() -> None:
     with pytest.raises(ValueError, match="optimizer='lamb' is not one of"):
         plan_memory(1000, optimizer="lamb")
+    with pytest.raises(ValueError, match="mode='fast' is not one of"):
+        plan_memory(1000, mode="fast")
     with pytest.raises(ValueError, match="takes a model or a positive param count, got -3"):
         plan_memory(-3)
     with pytest.raises(ValueError, match="gpu_budget_mb=0.00 is below the staging window"):

@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
     plan.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adamw")
     plan.add_argument("--master-weights", choices=["none", "fp32", "remainder"], default="none")
+    plan.add_argument("--mode", choices=["sync", "overlap", "backward"], default="sync")
     plan.add_argument("--chunk-size-mb", type=float, default=256.0)
     plan.add_argument("--num-slots", type=int, default=2)
     plan.add_argument("--gpu-budget-mb", type=float)
@@ -33,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=_DTYPES[args.dtype],
             optimizer=args.optimizer,
             master_weights=args.master_weights,
+            mode=args.mode,
             chunk_size_mb=args.chunk_size_mb,
             num_slots=args.num_slots,
             gpu_budget_mb=args.gpu_budget_mb,

@@ -41,6 +41,8 @@ class MemoryPlan:
         model_gpu: the params and their grads on the GPU (the model's own dtype), as without the wrapper.
         resident_gpu: the optimizer state (and masters) the plan keeps on the GPU.
         window_gpu: the staging window a step adds (``plan.window_bound_nbytes``).
+        grad_copies_gpu: with ``mode="overlap"``, the step's own copies of the grads of the chunks it leaves to the
+            next forward (at most the offloaded params' grads).
         pinned_host: the host arena and the disk tier's bounce buffers (``opt.stats.pinned_host_bytes``).
         disk: the state in files under ``spill_dir``, and one more generation of its largest chunk (a step writes a
             chunk's new file beside the old one).
@@ -52,6 +54,7 @@ class MemoryPlan:
     model_gpu: int
     resident_gpu: int
     window_gpu: int
+    grad_copies_gpu: int
     pinned_host: int
     disk: int
     unwrapped_gpu: int
@@ -59,7 +62,7 @@ class MemoryPlan:
     @property
     def gpu(self) -> int:
         """On the GPU beside the activations: the model, the resident state and the window."""
-        return self.model_gpu + self.resident_gpu + self.window_gpu
+        return self.model_gpu + self.resident_gpu + self.window_gpu + self.grad_copies_gpu
 
     @property
     def _host_fix(self) -> str:
@@ -78,7 +81,9 @@ class MemoryPlan:
             f"{self.params / 1e9:.3g} B params: {len(self.plan.all_chunks)} chunks "
             f"({len(self.plan.resident_chunks)} resident, {len(self.plan.disk_chunks)} on disk)",
             f"  GPU: model and grads {self.model_gpu / _GIB:.2f} GiB + resident state {self.resident_gpu / _GIB:.2f} "
-            f"GiB + window {self.window_gpu / _GIB:.2f} GiB (activations not counted); unwrapped "
+            f"GiB + window {self.window_gpu / _GIB:.2f} GiB"
+            + (f" + grad copies {self.grad_copies_gpu / _GIB:.2f} GiB" if self.grad_copies_gpu else "")
+            + f" (activations not counted); unwrapped "
             f"{self.unwrapped_gpu / _GIB:.2f} GiB",
         ]
         for name, need, free, fix in rows:
@@ -96,6 +101,7 @@ def plan_memory(
     dtype: torch.dtype = torch.bfloat16,
     optimizer: str = "adamw",
     master_weights: str = "none",
+    mode: str = "sync",
     chunk_size_mb: float = 256.0,
     num_slots: int = 2,
     gpu_budget_mb: float | None = None,
@@ -112,23 +118,27 @@ def plan_memory(
         optimizer: one of ``OPTIMIZERS``.
         master_weights, chunk_size_mb, num_slots, gpu_budget_mb, host_budget_mb: the wrapper's options
             (``host_budget_mb`` None with ``spill_dir``: this machine's ``"auto"``).
+        mode: ``"sync"``, ``"overlap"`` or ``"backward"`` (``step_in_backward=True``): an overlapped step keeps copies
+            of the grads it reads during the next forward; the others add nothing beside the window.
         spill_dir: where a disk tier would go (only its free space is read).
         width: the matrices' side for a param count.
 
     Raises:
         ValueError: an unknown optimizer, or options the wrapper would refuse (with the wrapper's message).
     """
+    if mode not in ("sync", "overlap", "backward"):
+        raise ValueError(f"mode={mode!r} is not one of 'sync', 'overlap', 'backward'")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is not one of {sorted(OPTIMIZERS)}")
     params = _meta_params(model, dtype, width)
     inner = OPTIMIZERS[optimizer](params)
-    adapter, mode = resolve_adapter(inner, None), MasterMode(master_weights)
-    infos = describe(inner.param_groups, lambda p: None, adapter, mode)
+    adapter, masters = resolve_adapter(inner, None), MasterMode(master_weights)
+    infos = describe(inner.param_groups, lambda p: None, adapter, masters)
     plan = plan_layout(
         infos,
         inner.param_groups,
         adapter,
-        mode,
+        masters,
         chunk_bytes=max(1, int(chunk_size_mb * _MIB)),
         num_slots=num_slots,
         offload_fraction=1.0,
@@ -139,6 +149,8 @@ def plan_memory(
         plan = spill(plan, host_budget)
     bounces = (plan.num_slots + 1) * plan.bounce_nbytes if plan.disk_chunks else 0
     model_gpu = sum(2 * p.numel() * p.element_size() for p in params)  # params and grads
+    offloaded = {i for c in plan.chunks for i in c.params}
+    grad_copies = sum(p.numel() * p.element_size() for i, p in enumerate(params) if i in offloaded)
     moving = sum(b.host_nbytes for b in plan.bundles)  # the state and masters, wherever they live
     return MemoryPlan(
         params=sum(p.numel() for p in params),
@@ -146,6 +158,7 @@ def plan_memory(
         model_gpu=model_gpu,
         resident_gpu=plan.resident_nbytes,
         window_gpu=plan.window_bound_nbytes,
+        grad_copies_gpu=grad_copies if mode == "overlap" else 0,
         pinned_host=plan.host_nbytes + bounces,
         disk=plan.disk_nbytes + plan.bounce_nbytes if plan.disk_chunks else 0,
         unwrapped_gpu=model_gpu + moving,
