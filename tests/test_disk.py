@@ -538,3 +538,54 @@ def test_a_read_interrupted_by_ctrl_c_is_waited_for_before_its_bounce_is_used_ag
     for p, q in zip(params, twin_params, strict=True):
         assert_equal(p, q)
     assert_states_equal(twin, twin_params, opt, params)
+
+
+def test_an_empty_spill_dir_is_refused() -> None:
+    with pytest.raises(ValueError, match="spill_dir='' names no directory"):
+        ChunkedOffloadOptimizer(torch.optim.AdamW(make_params(SHAPES)), spill_dir="")
+
+
+def test_a_relative_spill_dir_stays_where_it_was_after_a_chdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "spill").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    plain = build("plain")
+    train(*plain, range(3))
+    model, opt = build("sync", spill_dir="spill", host_budget_mb=budget_for(build("sync")[1].plan, 0.9))
+    train(model, opt, range(1))
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    train(model, opt, range(1, 3))
+    assert_same(plain[0], model)
+    assert spill_files(tmp_path / "spill") and not list((tmp_path / "elsewhere").iterdir())
+
+
+def test_the_minimum_host_budget_in_the_refusal_is_enough_when_passed_back(tmp_path: Path) -> None:
+    import re
+
+    with pytest.raises(ValueError, match="raise host_budget_mb to at least") as refused:
+        train(*build("sync", spill_dir=tmp_path, host_budget_mb=0.0001), range(1))
+    found = re.search(r"at least ([0-9.]+)", str(refused.value))
+    assert found is not None
+    model, opt = build("sync", spill_dir=tmp_path, host_budget_mb=float(found.group(1)))
+    train(model, opt, range(2))
+    assert opt.plan.disk_chunks
+
+
+def test_a_forked_child_that_exits_leaves_the_parents_spill_files(tmp_path: Path) -> None:
+    import atexit
+
+    model, opt = build("sync", spill_dir=tmp_path, host_budget_mb=budget_for(build("sync")[1].plan, 0.9))
+    train(model, opt, range(2))
+    directory = internals(opt).placement.require().disk.directory
+    pid = os.fork()
+    if pid == 0:  # the child drops its copy of the wrapper and exits as a normal exit does: finalizers, then atexit
+        try:
+            del opt
+            gc.collect()
+            atexit._run_exitfuncs()
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert directory.is_dir() and spill_files(tmp_path), "the child removed the parent's spill directory"
+    train(model, opt, range(2, 3))

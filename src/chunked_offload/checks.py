@@ -91,6 +91,10 @@ def _check_disk_options(spill_dir: Any, host_budget_mb: Any) -> None:
         )
     if spill_dir is not None and not isinstance(spill_dir, (str, os.PathLike)):
         raise TypeError(f"spill_dir must be a path (str or os.PathLike), got {type(spill_dir).__name__}")
+    if spill_dir is not None and os.fspath(spill_dir) == "":
+        raise ValueError(
+            "spill_dir='' names no directory (it would spill into the current one): pass a directory on a local disk"
+        )
     _check_mib_or_auto("host_budget_mb", host_budget_mb)
 
 

@@ -96,7 +96,8 @@ class DiskStore:
 
     def __init__(self, spill_dir: Path, chunks: Sequence[Chunk], bounces: int, bounce_nbytes: int, pin: bool) -> None:
         self.directory = Path(tempfile.mkdtemp(prefix="chunked_offload-", dir=spill_dir))
-        self._cleanup = weakref.finalize(self, shutil.rmtree, self.directory, True)
+        # Only the process that made the directory removes it: a fork's child exiting must not take the parent's files.
+        self._cleanup = weakref.finalize(self, _remove_if_owner, self.directory, os.getpid())
         self.chunks = {c.index: c for c in chunks}
         self._by_offset = sorted((c.home_offset, c.index) for c in chunks)
         self.stats = DiskStats()
@@ -313,6 +314,11 @@ class DiskStore:
             pool.shutdown(wait=True)
         self._maps, self._mmaps = {}, {}
         self._cleanup()
+
+
+def _remove_if_owner(directory: Path, owner: int) -> None:
+    if os.getpid() == owner:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def _timed_read(path: Path, out: torch.Tensor) -> float:

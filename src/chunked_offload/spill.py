@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -129,10 +130,11 @@ def spill(plan: ChunkPlan, host_budget: int) -> ChunkPlan:
             break
     else:
         largest = whole_pages(max((c.transfer_nbytes for c in host), default=0))
+        least = math.ceil(bounces * largest / 2**20 * 100) / 100  # rounded up: the value given back must be enough
         raise ValueError(
             f"host_budget_mb={host_budget / 2**20:.2f} holds not even the {bounces} bounce buffers of the disk tier "
             f"(num_slots + 1 of the largest chunk, {largest / 2**20:.2f} MiB): raise host_budget_mb to at least "
-            f"{bounces * largest / 2**20:.2f}, or lower chunk_size_mb"
+            f"{least:.2f}, or lower chunk_size_mb"
         )
     if not disk:
         return plan

@@ -78,7 +78,8 @@ class Options:
         host_budget_mb: float | str | None = None,
     ) -> Options:
         budget_mb, headroom_mb = budget_options(gpu_budget_mb, gpu_headroom_mb)  # "auto": planned offloaded first
-        spill_path = None if spill_dir is None else Path(spill_dir)
+        # Resolved once: a later os.chdir() must not move the tier's files, nor leak them.
+        spill_path = None if spill_dir is None else Path(spill_dir).resolve()
         if spill_path is not None and (warning := check_spill_dir(spill_path)) is not None:
             warn(warning)  # at the caller's line, in the category users filter
         host_budget = None
