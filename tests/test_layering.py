@@ -14,8 +14,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "chunked_offload"
 # Lowest first: a module may import only modules before it.
 ORDER = [
     "notices",
-    "callbacks",
     "mode",
+    "callbacks",
     "emulated",
     "streams",
     "specs",
@@ -66,6 +66,7 @@ ORDER = [
     "state_dict",
     "wiring",
     "memory",
+    "inner_view",
     "optimizer",
     "torchtitan",
     "",  # the package's __init__

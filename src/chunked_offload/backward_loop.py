@@ -10,6 +10,7 @@ from . import backward_watch as refusals
 from .backward_watch import ObservedBackward
 from .in_backward import BackwardOrder, BackwardSchedule
 from .inputs import GradComparison, GradRecord, GroupSnapshot
+from .mode import StepMode
 from .pipeline import ChunkPipeline
 from .planner import Chunk
 
@@ -26,16 +27,16 @@ class BackwardLoop:
     around all of it.
 
     Args:
-        enabled: the wrapper steps in the backward.
+        mode: the wrapper's step mode (only ``step_in_backward`` ever observes or steps in a backward).
         pipeline: the per-chunk operations (the grads the inner reads, the step stream).
         groups: the inner optimizer's param groups.
     """
 
-    def __init__(self, enabled: bool, pipeline: ChunkPipeline, groups: list[dict[str, Any]]) -> None:
+    def __init__(self, mode: StepMode, pipeline: ChunkPipeline, groups: list[dict[str, Any]]) -> None:
         self.pipeline = pipeline
         self.groups = groups
         self.order = BackwardOrder()
-        self.observing = enabled  # the next backward observes, steps nothing
+        self.observing = mode.in_backward  # the next backward observes, steps nothing
         self.observation: ObservedBackward | None = None
         self._groups_after: GroupSnapshot | None = None  # the groups as the last step in the backward left them
         self._suspended = 0  # inside step(closure): backward passes do not step

@@ -9,6 +9,8 @@ from typing import Any, Protocol, TypeVar, cast
 
 import torch
 
+from .mode import StepMode
+
 __all__ = ["Call", "Hook", "Runtime", "inert", "opaque", "prepare_for_dynamo", "run_eagerly_at_the_top"]
 
 # [Note: Opaque to dynamo]
@@ -51,7 +53,7 @@ def prepare_for_dynamo() -> None:
 class Runtime(Protocol):
     """What the hooks call (``runner.StepRunner``)."""
 
-    step_in_backward: bool
+    mode: StepMode
 
     def wait_for(self, indices: list[int], streams: Sequence[torch.cuda.Stream] = ()) -> None: ...
 

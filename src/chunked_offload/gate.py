@@ -48,7 +48,7 @@ class StepGate:
     """
 
     def __init__(self, streams: StreamContext, mode: StepMode) -> None:
-        self.enabled = mode.own_stream
+        self.mode = mode
         self.streams = streams
         self.stream = streams.step
         self._on_step_stream = False  # inside ``stepping()`` on the step stream
@@ -138,7 +138,7 @@ class StepGate:
 
     def private_copy(self, value: Any) -> Any:
         """A tensor the step may read while the caller rewrites the original in place; other values as they are."""
-        if not (self.enabled and isinstance(value, torch.Tensor)):
+        if not (self.mode.own_stream and isinstance(value, torch.Tensor)):
             return value
         copy = value.clone()
         self.keep_alive([copy])
@@ -152,7 +152,7 @@ class StepGate:
         while the step stream still reads it. The inner is assumed to only read them, as ``torch.optim`` does.
         """
         saved = []
-        if self.enabled:
+        if self.mode.own_stream:
             for group in groups:
                 for key, value in group.items():
                     if key != "params" and isinstance(value, torch.Tensor):

@@ -183,14 +183,14 @@ def _check_attachable(model: torch.nn.Module, runtime: Runtime, blocks: bool) ->
             "params of its own): its forward would wait for nothing while the step updates params it does not "
             "hold. Attach the model whose parameters the optimizer steps"
         )
-    if not runtime.step_in_backward and _is_fsdp1(model):
+    if not runtime.mode.in_backward and _is_fsdp1(model):
         raise ValueError(
             "attach() of a model wrapped in FSDP1 (FullyShardedDataParallel) with overlap=True: FSDP1 all-gathers its "
             "flat params on a stream of its own that waits for the caller's stream once per forward, before any "
             "module's gate, so a deferred chunk's update could land after the all-gather read its params. Shard with "
             "FSDP2 (fully_shard), whose every unshard waits for the updates of its params, or use overlap=False"
         )
-    if runtime.step_in_backward and _is_ddp(model):
+    if runtime.mode.in_backward and _is_ddp(model):
         raise ValueError(
             "attach() of a DistributedDataParallel model with step_in_backward=True: DDP all-reduces the grads after "
             "their hooks, so a step in the backward would update each rank with its local grads. Use "

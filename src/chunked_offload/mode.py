@@ -35,6 +35,16 @@ class StepMode(enum.Enum):
         return cls.OVERLAP if overlap else cls.SYNC
 
     @property
+    def defers(self) -> bool:
+        """Whether a step may leave chunks to the next forward's hooks (``overlap=True``)."""
+        return self is StepMode.OVERLAP
+
+    @property
+    def in_backward(self) -> bool:
+        """Whether chunks step in the backward pass (``step_in_backward=True``)."""
+        return self is StepMode.IN_BACKWARD
+
+    @property
     def own_stream(self) -> bool:
         """Whether chunks step on a stream of their own (on a GPU)."""
         return self is not StepMode.SYNC

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal, NoReturn
@@ -17,6 +17,7 @@ from .adapters import Adapter, resolve_adapter
 from .checks import check_inner, check_options, check_setup, check_wrappable
 from .context import scaler_tensors
 from .hooks import AttachHandle, attach, opaque
+from .inner_view import InnerView
 from .masters import MasterMode
 from .phase import Phase
 from .planner import ChunkPlan
@@ -29,7 +30,7 @@ __all__ = ["ChunkedOffloadOptimizer"]
 logger = logging.getLogger(__name__)
 
 
-class ChunkedOffloadOptimizer(torch.optim.Optimizer):
+class ChunkedOffloadOptimizer(InnerView):
     """Keeps an optimizer's state (and optional fp32 masters) in host memory and steps it chunk by chunk.
 
     Between steps the inner optimizer's per-parameter state tensors live in one exact-size, page-locked host arena.
@@ -127,29 +128,7 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
         logger.info("%s, window bound %.1f MiB", self, self.plan.window_bound_nbytes / 2**20)
         logger.debug("%s", self.plan.summary())
 
-    def _init_optimizer_tables(self) -> None:
-        """torch.optim.Optimizer's bookkeeping, without building groups of our own: the inner's are shared."""
-        for table in ("step", "state_dict", "load_state_dict"):
-            for when in ("pre", "post"):
-                setattr(self, f"_optimizer_{table}_{when}_hooks", OrderedDict())
-        self._patch_step_function()
-        self._warned_capturable_if_run_uncaptured = True
-        self._step_supports_amp_scaling = getattr(self._inner, "_step_supports_amp_scaling", False)
-
     # ------------------------------------------------------------------ the inner optimizer's objects
-    @property
-    def inner(self) -> torch.optim.Optimizer:
-        """The wrapped optimizer."""
-        return self._inner
-
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self._inner.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self._inner.param_groups = value
-
     @property  # type: ignore[override]
     def state(self) -> defaultdict[torch.Tensor, Any]:
         """The inner's state (host views); a write-back held by the backward lands first ([Note: Held write-back])."""
@@ -161,14 +140,6 @@ class ChunkedOffloadOptimizer(torch.optim.Optimizer):
     def state(self, value: Mapping[torch.Tensor, Any]) -> None:
         self._inner.state = value  # type: ignore[assignment]
         self._placement.adopt_state()
-
-    @property  # type: ignore[override]
-    def defaults(self) -> dict[str, Any]:
-        return self._inner.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self._inner.defaults = value
 
     @property
     def plan(self) -> ChunkPlan:

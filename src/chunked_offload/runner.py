@@ -70,20 +70,16 @@ class StepRunner:
         self.gate: StepGate = schedule.pipeline.gate
         self.phase = phase
         self.notices = notices
-        self.mode = mode
-        self.overlap = mode is StepMode.OVERLAP
-        self.step_in_backward = mode is StepMode.IN_BACKWARD
+        self.mode = mode  # asked, never copied: what each mode does differently reads it
         self.post_hooks = post_hooks
         self.grad_hooks = grad_hooks
         self.budget = budget
         self.opened = 0  # steps opened so far
         self.last_step: StepRecord | None = None
-        self.loop = BackwardLoop(self.step_in_backward, schedule.pipeline, self.inner.param_groups)
+        self.loop = BackwardLoop(mode, schedule.pipeline, self.inner.param_groups)
         self.backward: BackwardSchedule | None = None  # while IN_BACKWARD
         self._layout: Layout | None = None  # the layout the grad hooks and the phase were last brought in line with
-        self._grads_seen = (
-            False  # with step_in_backward: a grad hook of this optimizer's params ran since the last step
-        )
+        self._grads_seen = False  # in the backward mode: a grad hook of its params ran since the last step
 
     # ------------------------------------------------------------------ step()
     def step(self, closure: Callable[[], Any] | None, scaler: Mapping[str, torch.Tensor]) -> Any:
@@ -111,10 +107,11 @@ class StepRunner:
         """A step of what has grads now, by the ordered schedule ([Note: Step schedule])."""
         observed = self.loop.check_observation(bool(scaler))
         chunks = self.chunks_to_step()
-        if self.step_in_backward and self.opened and chunks and not self._grads_seen:
+        if self.mode.in_backward and self.opened and chunks and not self._grads_seen:
             self.notices.warn("no-grad-hooks", notices.NO_GRAD_HOOKS)
         skip_staged = skipped_by_scaler(scaler)
-        eager = sum(1 for c in chunks if self.schedule.eager(c)) if self.overlap and self.gate.gating else len(chunks)
+        gated = self.mode.defers and self.gate.gating
+        eager = sum(1 for c in chunks if self.schedule.eager(c)) if gated else len(chunks)
         detached = eager < len(chunks)  # else it runs on the caller's stream ([Note: Overlapped step])
         # [Note: Deferred chunks]: a post-hook expects the step done (an EMA of the weights).
         defer = detached and not skip_staged and not scaler and not self.context.has_post_hooks(self.post_hooks)
@@ -146,7 +143,7 @@ class StepRunner:
     def _after_step(self, eager: list[Chunk] | None) -> None:
         """Order the caller's stream after what it reads next: the whole step, or (``eager``: the step runs on)
         the chunks no attached forward waits for."""
-        if self.overlap:
+        if self.mode.defers:
             self.schedule.reads.start()  # the next forward's reads order the next step's chunks
             if not self.gate.attached:
                 self.notices.warn("overlap-unattached", notices.UNATTACHED)
@@ -163,7 +160,7 @@ class StepRunner:
         self._prepare()
         check_grads(self.placement.infos, self.placement.adapter)
         chunks = [c for c in self.placement.plan.all_chunks if self.pipeline.grads(c)]
-        if self.overlap and self.gate.gating:
+        if self.mode.defers and self.gate.gating:
             self.schedule.order(chunks)
         return chunks
 
@@ -178,7 +175,7 @@ class StepRunner:
                 self.budget.before_step(self.opened)
 
     def prefetch(self) -> None:
-        if self.step_in_backward:
+        if self.mode.in_backward:
             return  # the backward pass brings the chunks in itself
         self.schedule.prefetch(self.chunks_to_step())
 
@@ -266,7 +263,7 @@ class StepRunner:
     @contextmanager
     def accumulating(self) -> Iterator[None]:
         """Backward passes inside do not step (``step_in_backward``); the phase goes back where it was after."""
-        if not self.step_in_backward:
+        if not self.mode.in_backward:
             self.notices.warn("accumulating", notices.NOT_ACCUMULATING)
             yield
             return
@@ -321,7 +318,7 @@ class StepRunner:
             layout = self.placement.layout
             if layout is not None and layout is not self._layout:
                 self._layout = layout
-                if self.step_in_backward:
+                if self.mode.in_backward:
                     self.grad_hooks.set([info.param for info in layout.infos], self)
             self._rest_where_placed()
 

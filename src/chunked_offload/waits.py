@@ -31,7 +31,7 @@ class StepWaits:
         self.runner = runner
         self.schedule = runner.schedule
         self.gate = runner.gate
-        self.step_in_backward = runner.step_in_backward
+        self.mode = runner.mode  # the hooks ask it (attach() refuses DDP in the backward)
 
     # ------------------------------------------------------------------ what the hooks call
     def wait_for(self, indices: list[int], streams: Sequence[torch.cuda.Stream] = ()) -> None:
