@@ -10,9 +10,12 @@
 #               took 438-600 s in one call, and a call stops at 600 s, so two calls with 1/2 and 2/2 are safer
 #   --sanitize  also run compute-sanitizer (memcheck and synccheck) over the cuda tier, last (see below)
 #   --bench X   run benchmarks/X.py (repeatable); default: bench_step
+#   --titan-fsdp  bench_titan.py --fsdp at 8 x 2048 (torchtitan 0.2.2 from .whl/: scripts/titan-prepare.sh): overlap,
+#               overlap-modules, overlap-auto and overlap-masters bitwise against the plain loop over 10 iterations,
+#               each chunk's step slowed, and the share of resident iterations/s each keeps; runs with --quick too
 set -uo pipefail
 cd "$(dirname "$0")/.."
-quick=0 tests=1 sanitize=0 benches=() tier_shard=1/1
+quick=0 tests=1 sanitize=0 benches=() tier_shard=1/1 titan_fsdp=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) quick=1 ;;
@@ -20,6 +23,7 @@ while [ $# -gt 0 ]; do
     --sanitize) sanitize=1 ;;
     --shard) shift; tier_shard=$1 ;;
     --bench) shift; benches+=("$1") ;;
+    --titan-fsdp) titan_fsdp=1 ;;
     *) echo "unknown argument $1"; exit 2 ;;
   esac
   shift
@@ -51,6 +55,15 @@ shard_of() {  # shard K (from 0) of N, round-robin over the ids in FILE: shard_o
 }
 
 summary=()
+if [ $titan_fsdp -eq 1 ]; then
+  (cd benchmarks && PYTHONPATH="$PWD/../src:$PWD/../tests:$PWD:${PYTHONPATH:-}" timeout "${TITAN_TIMEOUT:-330}" \
+    python3 bench_titan.py --fsdp --batch 8 --exact-steps 10 --warmup 3 --iters 5 --csv "$out/bench_titan_fsdp.csv") \
+    > "$out/bench_titan_fsdp.log" 2>&1
+  summary+=("bench_titan --fsdp rc=$?")
+  while IFS= read -r line; do summary+=("  $line"); done < <(grep -E "^(control|bitwise|variant|resident|overlap)" \
+    "$out/bench_titan_fsdp.log")
+fi
+
 if [ $tests -eq 1 ]; then
   cuda_ids tests > "$out/cuda_ids.txt"
   mapfile -t tier < <(shard_of "$out/cuda_ids.txt" "${tier_shard#*/}" $((${tier_shard%/*} - 1)))

@@ -4,6 +4,7 @@ emulated step stream) and tests/cuda/test_fsdp_overlap_cuda.py (GPU, each chunk'
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -161,3 +162,24 @@ def assert_same_run(a: tuple[Net, torch.Tensor], b: tuple[Net, torch.Tensor]) ->
     assert_equal(a[1], b[1], "losses")
     for (name, pa), pb in zip(a[0].named_parameters(), b[0].parameters(), strict=True):
         assert_equal(local(pa.detach()), local(pb.detach()), name)
+
+
+def overlap_cases_on_ranks(rank: int, world: int, port: int, backend: str, result: Any) -> None:
+    """Every case on ``world`` ranks (spawned by tests/test_distributed.py): at world size > 1 FSDP2 copies the shards
+    into its all-gather input inside ``unshard()``, the read the unshard hook orders. Each rank trains on its own
+    batches; the wrapped run must equal the plain one on every rank."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    device = torch.device("cpu")
+    try:
+        for case in CASES:
+            plain = build(case, device)
+            plain_losses = train(plain, reference(case, plain, device), 3, device, batch=(2 + rank, 8))
+            model = build(case, device)
+            opt = wrapped(case, model, device, 1 / 1024)
+            losses = train(model, opt, 3, device, batch=(2 + rank, 8))
+            opt.wait_step()
+            assert_same_run((plain, plain_losses), (model, losses))
+        result[rank] = True
+    finally:
+        dist.destroy_process_group()

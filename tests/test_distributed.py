@@ -15,6 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 import dist_cases
+import fsdp_cases
 
 WORLD = 2
 _TEARDOWN_S = 30.0  # after every rank reported
@@ -111,3 +112,8 @@ def test_ddp_with_step_in_backward_is_refused_before_any_update() -> None:
     for messages in result.values():
         assert "DistributedDataParallel model with step_in_backward=True" in messages[0]
         assert "Nothing was updated" in messages[1]
+
+
+def test_fsdp2_overlap_on_two_ranks_matches_the_plain_loop_in_every_case() -> None:
+    """tests/test_fsdp_overlap.py's cases at world size 2, the step stream emulated (the ranks inherit it)."""
+    assert _spawn(fsdp_cases.overlap_cases_on_ranks) == {0: True, 1: True}

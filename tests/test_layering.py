@@ -264,6 +264,7 @@ TEST_FILES = sorted(p for p in TESTS.rglob("*.py") if p.name not in ("reference.
 FOREIGN_PRIVATE = {
     "_dynamo", "_forward_hooks", "_forward_pre_hooks", "_load_state_dict_pre_hooks", "_state_dict_pre_hooks",
     "_step_supports_amp_scaling", "_sleep", "_scales", "_reset_state", "_fused_adamw_",
+    "_exit", "_exitfunc",  # a forked child's exit: os._exit, and the finalizers weakref.finalize runs at exit
 }  # fmt: skip
 
 

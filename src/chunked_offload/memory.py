@@ -131,19 +131,8 @@ def plan_memory(
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is not one of {sorted(OPTIMIZERS)}")
     params = _meta_params(model, dtype, width)
-    inner = OPTIMIZERS[optimizer](params)
-    adapter, masters = resolve_adapter(inner, None), MasterMode(master_weights)
-    infos = describe(inner.param_groups, lambda p: None, adapter, masters)
-    plan = plan_layout(
-        infos,
-        inner.param_groups,
-        adapter,
-        masters,
-        chunk_bytes=max(1, int(chunk_size_mb * _MIB)),
-        num_slots=num_slots,
-        offload_fraction=1.0,
-        gpu_budget=None if gpu_budget_mb is None else int(gpu_budget_mb * _MIB),
-    )
+    gpu_budget = None if gpu_budget_mb is None else int(gpu_budget_mb * _MIB)
+    plan = _chunk_plan(OPTIMIZERS[optimizer](params), MasterMode(master_weights), chunk_size_mb, num_slots, gpu_budget)
     if spill_dir is not None:
         host_budget = auto_host_budget() if host_budget_mb is None else int(host_budget_mb * _MIB)
         plan = spill(plan, host_budget)
@@ -163,6 +152,19 @@ def plan_memory(
         disk=plan.disk_nbytes + plan.bounce_nbytes if plan.disk_chunks else 0,
         unwrapped_gpu=model_gpu + moving,
     )
+
+
+def _chunk_plan(
+    inner: torch.optim.Optimizer, masters: MasterMode, chunk_size_mb: float, num_slots: int, gpu_budget: int | None
+) -> ChunkPlan:
+    """The plan the wrapper would make for ``inner`` before its first step (no state yet: the adapter predicts it)."""
+    adapter = resolve_adapter(inner, None)
+    infos = describe(inner.param_groups, lambda p: None, adapter, masters)
+    chunk_bytes = max(1, int(chunk_size_mb * _MIB))
+    return plan_layout(
+        infos, inner.param_groups, adapter, masters, chunk_bytes=chunk_bytes, num_slots=num_slots,
+        offload_fraction=1.0, gpu_budget=gpu_budget,
+    )  # fmt: skip
 
 
 def free_bytes(spill_dir: str | Path | None) -> tuple[int | None, int | None, int | None]:
