@@ -85,3 +85,16 @@ def test_bad_input_is_refused_with_what_was_given() -> None:
         plan_memory(-3)
     with pytest.raises(ValueError, match="gpu_budget_mb=0.00 is below the staging window"):
         plan_memory(64 * 64 * 4, width=64, gpu_budget_mb=0.001, chunk_size_mb=0.01)
+
+
+def test_a_batch_on_the_meta_device_measures_the_activations_a_forward_saves() -> None:
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+    batch = [torch.empty(32, 256, device="meta")]
+    memory = plan_memory(model, inputs=batch, chunk_size_mb=1)
+    assert memory.activations_gpu == 4 * 32 * (256 + 2 * 1024)  # the input, the first output, the GELU's output
+    assert memory.gpu == plan_memory(model, chunk_size_mb=1).gpu + memory.activations_gpu
+    real = torch.nn.Linear(4, 4)
+    with pytest.raises(ValueError, match="build it on the meta device"):
+        plan_memory(real, inputs=[torch.empty(2, 4, device="meta")])
+    assert real.weight.device.type == "cpu"  # left as it was

@@ -7,7 +7,7 @@ the meta device, so its numbers are the ones the wrapper then allocates: ``pytho
 from __future__ import annotations
 
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +43,8 @@ class MemoryPlan:
         window_gpu: the staging window a step adds (``plan.window_bound_nbytes``).
         grad_copies_gpu: with ``mode="overlap"``, the step's own copies of the grads of the chunks it leaves to the
             next forward (at most the offloaded params' grads).
+        activations_gpu: with ``inputs`` (a batch), what one forward of the model saves for the backward; else 0
+            (not counted).
         pinned_host: the host arena and the disk tier's bounce buffers (``opt.stats.pinned_host_bytes``).
         disk: the state in files under ``spill_dir``, and one more generation of its largest chunk (a step writes a
             chunk's new file beside the old one).
@@ -55,14 +57,15 @@ class MemoryPlan:
     resident_gpu: int
     window_gpu: int
     grad_copies_gpu: int
+    activations_gpu: int
     pinned_host: int
     disk: int
     unwrapped_gpu: int
 
     @property
     def gpu(self) -> int:
-        """On the GPU beside the activations: the model, the resident state and the window."""
-        return self.model_gpu + self.resident_gpu + self.window_gpu + self.grad_copies_gpu
+        """On the GPU: the model, the resident state, the window, and what the mode and the batch add."""
+        return self.model_gpu + self.resident_gpu + self.window_gpu + self.grad_copies_gpu + self.activations_gpu
 
     @property
     def _host_fix(self) -> str:
@@ -83,7 +86,12 @@ class MemoryPlan:
             f"  GPU: model and grads {self.model_gpu / _GIB:.2f} GiB + resident state {self.resident_gpu / _GIB:.2f} "
             f"GiB + window {self.window_gpu / _GIB:.2f} GiB"
             + (f" + grad copies {self.grad_copies_gpu / _GIB:.2f} GiB" if self.grad_copies_gpu else "")
-            + f" (activations not counted); unwrapped "
+            + (
+                f" + activations {self.activations_gpu / _GIB:.2f} GiB"
+                if self.activations_gpu
+                else " (activations not counted)"
+            )
+            + "; unwrapped "
             f"{self.unwrapped_gpu / _GIB:.2f} GiB",
         ]
         for name, need, free, fix in rows:
@@ -108,6 +116,7 @@ def plan_memory(
     spill_dir: str | Path | None = None,
     host_budget_mb: float | None = None,
     width: int = 4096,
+    inputs: Sequence[torch.Tensor] = (),
 ) -> MemoryPlan:
     """Plan a wrapper's memory before anything is allocated.
 
@@ -118,10 +127,10 @@ def plan_memory(
         optimizer: one of ``OPTIMIZERS``.
         master_weights, chunk_size_mb, num_slots, gpu_budget_mb, host_budget_mb: the wrapper's options
             (``host_budget_mb`` None with ``spill_dir``: this machine's ``"auto"``).
-        mode: ``"sync"``, ``"overlap"`` or ``"backward"`` (``step_in_backward=True``): an overlapped step keeps copies
-            of the grads it reads during the next forward; the others add nothing beside the window.
+        mode: ``"sync"``, ``"overlap"`` (adds the grad copies of deferred chunks) or ``"backward"``.
         spill_dir: where a disk tier would go (only its free space is read).
         width: the matrices' side for a param count.
+        inputs: a batch on the meta device, for a model built there: one forward counts what it saves for the backward.
 
     Raises:
         ValueError: an unknown optimizer, or options the wrapper would refuse (with the wrapper's message).
@@ -131,14 +140,15 @@ def plan_memory(
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is not one of {sorted(OPTIMIZERS)}")
     params = _meta_params(model, dtype, width)
-    gpu_budget = None if gpu_budget_mb is None else int(gpu_budget_mb * _MIB)
-    plan = _chunk_plan(OPTIMIZERS[optimizer](params), MasterMode(master_weights), chunk_size_mb, num_slots, gpu_budget)
+    activations = _activation_bytes(model, inputs) if inputs else 0
+    budget = None if gpu_budget_mb is None else int(gpu_budget_mb * _MIB)
+    plan = _chunk_plan(OPTIMIZERS[optimizer](params), MasterMode(master_weights), chunk_size_mb, num_slots, budget)
     if spill_dir is not None:
         host_budget = auto_host_budget() if host_budget_mb is None else int(host_budget_mb * _MIB)
         plan = spill(plan, host_budget)
     bounces = (plan.num_slots + 1) * plan.bounce_nbytes if plan.disk_chunks else 0
     model_gpu = sum(2 * p.numel() * p.element_size() for p in params)  # params and grads
-    offloaded = {i for c in plan.chunks for i in c.params}
+    offloaded = {i for c in plan.chunks for i in c.params} if mode == "overlap" else set()
     grad_copies = sum(p.numel() * p.element_size() for i, p in enumerate(params) if i in offloaded)
     moving = sum(b.host_nbytes for b in plan.bundles)  # the state and masters, wherever they live
     return MemoryPlan(
@@ -147,7 +157,8 @@ def plan_memory(
         model_gpu=model_gpu,
         resident_gpu=plan.resident_nbytes,
         window_gpu=plan.window_bound_nbytes,
-        grad_copies_gpu=grad_copies if mode == "overlap" else 0,
+        grad_copies_gpu=grad_copies,
+        activations_gpu=activations,
         pinned_host=plan.host_nbytes + bounces,
         disk=plan.disk_nbytes + plan.bounce_nbytes if plan.disk_chunks else 0,
         unwrapped_gpu=model_gpu + moving,
@@ -173,6 +184,31 @@ def free_bytes(spill_dir: str | Path | None) -> tuple[int | None, int | None, in
     host = meminfo().get("MemAvailable")
     disk = shutil.disk_usage(spill_dir).free if spill_dir is not None and Path(spill_dir).exists() else None
     return gpu, host, disk
+
+
+def _activation_bytes(model: torch.nn.Module | int, inputs: Sequence[torch.Tensor]) -> int:
+    """The bytes one forward of ``model`` (on the meta device) saves for the backward, params excluded."""
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError("inputs= needs a model (built on the meta device), not a param count")
+    if any(t.device.type != "meta" for t in inputs):
+        raise ValueError("inputs= takes tensors on the meta device (torch.empty(shape, device='meta')): nothing is run")
+    if any(p.device.type != "meta" for p in model.parameters()):
+        raise ValueError(
+            "inputs= runs one forward of the model: build it on the meta device (with torch.device('meta'): ...) or "
+            "pass model.to('meta') of a copy; the model given has params on another device, and is left as it is"
+        )
+    params = {id(p) for p in model.parameters()}
+    saved = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        if id(t) not in params and id(getattr(t, "_base", None)) not in params:
+            saved += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(*inputs)
+    return saved
 
 
 def _meta_params(model: torch.nn.Module | int, dtype: torch.dtype, width: int) -> list[torch.Tensor]:
