@@ -53,7 +53,8 @@ def disk_share(opt: ChunkedOffloadOptimizer) -> float:
 
 
 def spill_files(directory: Path) -> list[Path]:
-    return sorted(p for sub in directory.iterdir() for p in sub.iterdir())
+    """The chunk files of the tiers under ``directory`` (not their owner marks: [Note: Tier directories])."""
+    return sorted(p for sub in directory.iterdir() for p in sub.iterdir() if p.name != "owner.json")
 
 
 # ------------------------------------------------------------------------------------------------ bitwise in every mode
@@ -589,3 +590,55 @@ def test_a_forked_child_that_exits_leaves_the_parents_spill_files(tmp_path: Path
     assert os.waitstatus_to_exitcode(status) == 0
     assert directory.is_dir() and spill_files(tmp_path), "the child removed the parent's spill directory"
     train(model, opt, range(2, 3))
+
+
+def _tier_dir_of(tmp_path: Path, name: str, pid: int, host: str | None = None, boot: str | None = None) -> Path:
+    import json
+    import socket
+
+    from chunked_offload import tier_dirs
+
+    directory = tmp_path / f"{tier_dirs.PREFIX}{name}"
+    directory.mkdir()
+    (directory / "chunk00000.bin").write_bytes(b"\x01" * 4096)
+    mark = {"host": host or socket.gethostname(), "boot": tier_dirs.boot_id() if boot is None else boot, "pid": pid}
+    mark["started"] = tier_dirs.start_time(pid) or "1"  # a dead pid: the start time it had while it ran
+    (directory / tier_dirs.OWNER).write_text(json.dumps(mark))
+    return directory
+
+
+def test_a_killed_runs_tier_directory_is_reclaimed_and_the_others_are_left(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run killed with SIGKILL left its directory; a run on the same spill_dir removes it (and logs it), never one
+    of a live process, of another host, or without an owner mark."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    killed = _tier_dir_of(tmp_path, "killed", int(dead.stdout))
+    rebooted = _tier_dir_of(tmp_path, "rebooted", os.getpid(), boot="an-earlier-boot")
+    live = _tier_dir_of(tmp_path, "live", os.getpid())
+    remote = _tier_dir_of(tmp_path, "remote", int(dead.stdout), host="another-host")
+    unmarked = tmp_path / "chunked_offload-unmarked"
+    unmarked.mkdir()
+    with caplog.at_level("WARNING", logger="chunked_offload.tier_dirs"):
+        model, opt = build("sync", spill_dir=tmp_path, host_budget_mb=budget_for(build("sync")[1].plan, 0.9))
+    assert not killed.exists() and not rebooted.exists()
+    assert live.exists() and remote.exists() and unmarked.exists()
+    assert sum("no longer runs" in r.getMessage() for r in caplog.records) == 2
+    train(model, opt, range(2))
+
+
+def test_a_full_disk_names_the_tier_directories_it_holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _tier_dir_of(tmp_path, "live", os.getpid())
+    real = spill_module.shutil.disk_usage
+
+    def small(path: Any) -> Any:
+        usage = real(path)
+        return type(usage)(usage.total, usage.used, 1000)
+
+    monkeypatch.setattr(spill_module.shutil, "disk_usage", small)
+    _refused(
+        tmp_path, tmp_path, "1 tier directories there hold 0.0 MiB \\(chunked_offload-live\\)", host_budget_mb=0.015
+    )

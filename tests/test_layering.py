@@ -20,6 +20,7 @@ ORDER = [
     "streams",
     "specs",
     "planner",
+    "tier_dirs",
     "spill",
     "failures",
     "host_arena",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
-import tempfile
 import time
 import weakref
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ import torch
 from .disk_io import ALIGN, read_file_into, replace_file, write_new_file
 from .host_arena import typed_view
 from .planner import Chunk, Home, TensorSpec
+from .tier_dirs import make_tier_dir
 
 __all__ = ["ALIGN", "SPARE", "DiskStats", "DiskStore", "read_file_into", "replace_file", "write_new_file"]
 
@@ -51,7 +51,7 @@ SPARE = "spare.bin"  # [Note: Spare generation]
 # ``spare.bin`` (a hard link made before the rename), and the next chunk's write renames the spare to its ``.tmp``
 # and overwrites it in place (no ``O_TRUNC``; cut to size at the end). One spare at most, and only within a step
 # (its end removes it): the disk holds the state and one more file of at most the largest chunk, as before, and
-# between steps the directory holds the chunks' files alone. A spare whose map is still read (a
+# between steps the directory holds the chunks' files and its owner mark alone. A spare whose map is still read (a
 # ``state_dict()`` of its step, seen through a weak reference to the map) is never overwritten: its name goes,
 # and its blocks stay until its tensors are gone, as without a spare.
 
@@ -95,7 +95,7 @@ class DiskStore:
     crosses_link = True
 
     def __init__(self, spill_dir: Path, chunks: Sequence[Chunk], bounces: int, bounce_nbytes: int, pin: bool) -> None:
-        self.directory = Path(tempfile.mkdtemp(prefix="chunked_offload-", dir=spill_dir))
+        self.directory = make_tier_dir(spill_dir)  # [Note: Tier directories]
         # Only the process that made the directory removes it: a fork's child exiting must not take the parent's files.
         self._cleanup = weakref.finalize(self, _remove_if_owner, self.directory, os.getpid())
         self.chunks = {c.index: c for c in chunks}

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .planner import ChunkPlan, Home
 from .specs import whole_pages
+from .tier_dirs import tier_dirs
 
 __all__ = ["auto_host_budget", "check_free_space", "check_spill_dir", "filesystem_of", "meminfo", "spill"]
 
@@ -93,10 +94,18 @@ def check_free_space(spill_dir: Path, plan: ChunkPlan) -> None:
     free = shutil.disk_usage(spill_dir).free
     need = plan.disk_nbytes + plan.bounce_nbytes
     if free < need:
+        others = [(d.name, sum(f.stat().st_size for f in d.iterdir() if f.is_file())) for d in tier_dirs(spill_dir)]
+        held = ""
+        if others:
+            held = (
+                f"; {len(others)} tier directories there hold {sum(n for _, n in others) / _MIB:.1f} MiB "
+                f"({', '.join(name for name, _ in others[:3])}): runs still running, of another host, or without an "
+                "owner mark, which no run removes for them"
+            )
         raise ValueError(
             f"spill_dir={str(spill_dir)!r} has {free / _MIB:.1f} MiB free, but the disk tier needs "
             f"{need / _MIB:.1f} MiB (the state on disk, {plan.disk_nbytes / _MIB:.1f} MiB, and one more generation "
-            "of its largest chunk): free space there, pass another directory, or raise host_budget_mb"
+            f"of its largest chunk){held}: free space there, pass another directory, or raise host_budget_mb"
         )
 
 

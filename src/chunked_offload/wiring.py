@@ -30,6 +30,7 @@ from .spill import auto_host_budget, check_spill_dir
 from .staging import StagingPool
 from .state_table import StateBinding
 from .streams import StreamContext
+from .tier_dirs import reclaim_stale
 from .transfer import TransferEngine
 from .waits import StepWaits
 
@@ -82,6 +83,8 @@ class Options:
         spill_path = None if spill_dir is None else Path(spill_dir).resolve()
         if spill_path is not None and (warning := check_spill_dir(spill_path)) is not None:
             warn(warning)  # at the caller's line, in the category users filter
+        if spill_path is not None:
+            reclaim_stale(spill_path)  # a killed run's files ([Note: Tier directories] in tier_dirs.py)
         host_budget = None
         if spill_path is not None:  # [Note: Disk tier]: measured once, at construction
             auto = host_budget_mb is None or host_budget_mb == "auto"
