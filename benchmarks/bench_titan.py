@@ -237,28 +237,33 @@ def timed(variant: str, args: argparse.Namespace) -> tuple[list[float], int]:
     return seconds, peak
 
 
-def exact(variant: str, reference: str, args: argparse.Namespace, clip: bool = True) -> bool:
-    """``args.exact_steps`` deterministic steps of ``variant`` against ``reference`` with the same clip choice: the
-    losses and the params, bitwise. Each chunk's step is slowed (``torch.cuda._sleep``) so that a reader that does not
-    wait for the step stream overtakes it."""
+def run_exact(variant: str, args: argparse.Namespace, clip: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``args.exact_steps`` deterministic steps of ``variant``, each chunk's step slowed (``torch.cuda._sleep``) so
+    that a reader that does not wait for the step stream overtakes it: the losses and the params."""
     from reference import slowed_chunk_steps
 
+    model, optimizers, schedulers = make(variant, args, deterministic=True)
+    with slowed_chunk_steps():
+        losses = [train_step(model, optimizers, schedulers, tokens, clip)
+                  for tokens in batches(args, args.exact_steps, next(model.parameters()).device)]  # fmt: skip
+    for opt in getattr(optimizers, "optimizers", []):
+        if hasattr(opt, "synchronize"):
+            opt.synchronize()
+    params = [(p.detach().to_local() if hasattr(p, "to_local") else p.detach()).clone() for p in model.parameters()]
+    del model, optimizers, schedulers
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.stack(losses).cpu(), params
+
+
+def exact(variant: str, reference: str, args: argparse.Namespace, runs: dict[str, Any], clip: bool = True) -> bool:
+    """``variant`` against ``reference`` with the same clip choice, bitwise in losses and params. A reference runs once
+    (kept in ``runs``); ``variant == reference`` runs it again: the control."""
     clip = clip and variant != "backward"
-    runs = []
-    for v in (reference, variant):
-        model, optimizers, schedulers = make(v, args, deterministic=True)
-        with slowed_chunk_steps():
-            losses = [train_step(model, optimizers, schedulers, tokens, clip)
-                      for tokens in batches(args, args.exact_steps, next(model.parameters()).device)]  # fmt: skip
-        for opt in getattr(optimizers, "optimizers", []):
-            if hasattr(opt, "synchronize"):
-                opt.synchronize()
-        params = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in model.parameters()]
-        runs.append((torch.stack(losses).cpu(), [p.clone() for p in params]))
-        del model, optimizers, schedulers
-        gc.collect()
-        torch.cuda.empty_cache()
-    (losses_a, params_a), (losses_b, params_b) = runs
+    if reference not in runs:
+        runs[reference] = run_exact(reference, args, clip)
+    losses_a, params_a = runs[reference]
+    losses_b, params_b = run_exact(variant, args, clip)
     same = torch.equal(losses_a, losses_b) and all(torch.equal(a, b) for a, b in zip(params_a, params_b, strict=True))
     if not same:
         print(f"  {variant} against {reference}: losses {losses_a.tolist()} vs {losses_b.tolist()}")
@@ -307,11 +312,12 @@ def main() -> int:
     ok = True
     if not args.skip_exact:
         checked = [v for v in variants if v != reference_of(v, args) and v not in ("resident", "sync")]
+        runs: dict[str, Any] = {}
         for control in sorted({reference_of(v, args) for v in checked}):
-            same = exact(control, control, args)
+            same = exact(control, control, args, runs)
             print(f"control: {control} against itself, deterministic: {'bitwise' if same else 'DIFFERS'}")
         for v in checked:  # resident-masters against sync too: the same recipe
-            same = exact(v, reference_of(v, args), args)
+            same = exact(v, reference_of(v, args), args, runs)
             ok = ok and same
             print(f"bitwise {v} against {reference_of(v, args)}: {'yes' if same else 'NO'}")
     results = {v: timed(v, args) for v in variants}
