@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+import chunked_offload.bounced as bounced
 import chunked_offload.disk as disk_io
 from chunked_offload import ChunkedOffloadOptimizer
 from common import make_matrices, measure_link, set_random_grads, synchronize
@@ -143,6 +144,7 @@ def tier_pattern(directory: Path, file_nbytes: int, files: int) -> tuple[float, 
 
 # ------------------------------------------------------------------------------------------------ one step variant
 def one_step_variant(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    torch.empty(1, device=device)  # the CUDA context's host memory is the process's, not the wrapper's
     base = rss()["VmRSS"]
     params = make_matrices(args.params, args.dim, torch.float32, device)
     reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
@@ -192,6 +194,7 @@ def one_step_variant(args: argparse.Namespace, device: torch.device) -> dict[str
 
 def capacity_trial(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """bf16 matrices, remainder masters, real forward/backward through the chain, host capped, 2 steps."""
+    torch.empty(1, device=device)
     base = rss()["VmRSS"]
     params = make_matrices(args.capacity_params, args.dim, torch.bfloat16, device)
     inner = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
@@ -231,7 +234,7 @@ def capacity_trial(args: argparse.Namespace, device: torch.device) -> dict[str, 
 def child(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
     cmd = [sys.executable, __file__, *extra, "--params", str(args.params), "--dim", str(args.dim)]
     cmd += ["--chunk-mb", str(args.chunk_mb), "--iters", str(args.iters), "--spill-dir", str(args.spill_dir)]
-    cmd += ["--shares", args.shares, "--writes", args.writes]
+    cmd += ["--shares", args.shares, "--writes", args.writes, "--checksums", args.checksums]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -252,6 +255,10 @@ def main() -> int:
         "--writes", choices=["tier", "buffered"], default="tier",
         help="buffered: the tier writes its files buffered, then fsync (an A/B against its O_DIRECT on one machine)",
     )  # fmt: skip
+    parser.add_argument(
+        "--checksums", choices=["on", "off"], default="on",
+        help="off: the tier's CRC-32 of each chunk replaced by a constant (the A/B of [Note: Chunk integrity])",
+    )  # fmt: skip
     parser.add_argument("--host-budget", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--capacity", action="store_true", help=argparse.SUPPRESS)
@@ -260,6 +267,8 @@ def main() -> int:
     if args.one or args.capacity:
         if args.writes == "buffered":
             disk_io.write_new_file = functools.partial(disk_io.write_new_file, direct=False)
+        if args.checksums == "off":
+            bounced.checksum = lambda data: 0
         print(json.dumps(capacity_trial(args, device) if args.capacity else one_step_variant(args, device)))
         return 0
 
@@ -279,23 +288,36 @@ def main() -> int:
         f"at a time): {seconds:.3f} s, {seconds / pattern_floor:.2f}x the floor of its bytes"
     )
     host_only = child(args, ["--one"])  # its plan sets the host budgets of the other shares
+    direct_read, direct_write = disk.get("read O_DIRECT", disk["read buffered, 2 threads"]) * 1e9, write_bw
     rows, ok = [], True
     for share in (float(s) for s in args.shares.split(",")):
         budget = host_only["budgets"][str(share)]
         row = host_only if share == 0 else child(args, ["--one", "--host-budget", str(budget)])
+        if share and args.checksums == "on":  # the same share with the checksums replaced by a constant
+            off = child(args, ["--one", "--host-budget", str(budget), "--checksums", "off"])
+            row["checksum_cost"] = row["step_s"] / off["step_s"] - 1
         link_floor = max(row["h2d"], row["d2h"]) / duplex
         disk_floor = row["disk_read"] / read_bw + row["disk_written"] / write_bw
+        row["direct_floor"] = max(row["disk_read"] / direct_read, row["disk_written"] / direct_write, link_floor)
         floor = max(link_floor, disk_floor)
         rows.append((share, row, floor, "disk" if disk_floor > link_floor else "link"))
         ok &= row["exact"]
-    print(f"\n{'on disk':>8} {'step s':>8} {'floor s':>8} {'x floor':>8} {'bound':>5} {'disk GB/s':>9} "
-          f"{'exposed':>8} {'peak RSS - base GiB':>20} {'host bound GiB':>15} {'exact':>6}")  # fmt: skip
+    print(
+        "\nfloor: the link's, or the disk's read then written bytes at the rates above; x direct: against the larger "
+        "of the bytes read over the O_DIRECT read rate and the bytes written over the tier's write rate (both at once)"
+    )
+    print(f"{'on disk':>8} {'step s':>8} {'floor s':>8} {'x floor':>8} {'bound':>5} {'x direct':>8} {'disk GB/s':>9} "
+          f"{'exposed':>8} {'checksum':>8} {'peak RSS - base GiB':>20} {'host bound GiB':>15} "
+          f"{'exact':>6}")  # fmt: skip
     for _share, row, floor, tier in rows:
         peak = (row["vmhwm"] - row["rss_base"]) / GiB
+        cost = f"{row['checksum_cost']:+.1%}" if "checksum_cost" in row else "-"
+        direct = row["step_s"] / row["direct_floor"] if row["direct_floor"] else float("nan")
         print(
             f"{row['on_disk'] / max(row['state'], 1):>8.0%} {row['step_s']:>8.3f} {floor:>8.3f} "
-            f"{row['step_s'] / floor if floor else float('nan'):>8.2f} {tier:>5} {row['disk_gbps']:>9.2f} "
-            f"{row['disk_exposed_s']:>8.3f} {peak:>20.2f} {row['host_bound'] / GiB:>15.2f} {row['exact']!s:>6}"
+            f"{row['step_s'] / floor if floor else float('nan'):>8.2f} {tier:>5} {direct:>8.2f} "
+            f"{row['disk_gbps']:>9.2f} {row['disk_exposed_s']:>8.3f} {cost:>8} {peak:>20.2f} "
+            f"{row['host_bound'] / GiB:>15.2f} {row['exact']!s:>6}"
         )
     if args.capacity_params:
         cap = child(args, ["--capacity", "--capacity-params", str(args.capacity_params),

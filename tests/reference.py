@@ -259,7 +259,7 @@ def spill_budget(plan: Any, share: float) -> int:
     from chunked_offload.planner import Home
     from chunked_offload.specs import whole_pages
 
-    host = [c for c in plan.chunks if c.home is Home.HOST]
+    host = [c for c in plan.chunks if c.home == Home.HOST]
     total = sum(c.transfer_nbytes for c in host)
     best = (2.0, 0)
     for keep in range(len(host) + 1):

@@ -22,7 +22,7 @@ import torch
 import chunked_offload.disk as disk_module
 import chunked_offload.spill as spill_module
 from chunked_offload import ChunkedOffloadOptimizer
-from chunked_offload.planner import ChunkPlan
+from chunked_offload.planner import ChunkPlan, Home
 from reference import (
     assert_equal,
     assert_states_equal,
@@ -163,7 +163,7 @@ def test_the_optimizer_state_on_disk_equals_the_plain_optimizers(tmp_path: Path)
     assert opt.plan.disk_chunks
     summary = opt.plan.summary()
     assert "chunks on disk" in summary and f"x {opt.num_slots + 1}" in summary
-    store = internals(opt).placement.layout.disk
+    store = internals(opt).placement.layout.stores[Home.DISK]
     assert store.bounce_nbytes == (opt.num_slots + 1) * opt.plan.bounce_nbytes  # the tier's host window
     directory = store.directory
     del opt, store
@@ -437,17 +437,17 @@ def test_the_files_pages_leave_memory_once_placed_and_stepped(tmp_path: Path) ->
     opt = ChunkedOffloadOptimizer(
         torch.optim.AdamW(params, lr=1e-3), **options, spill_dir=tmp_path, host_budget_mb=budget_for(probe.plan, 0.7)
     )
-    store = internals(opt).placement.layout.disk
+    store = internals(opt).placement.layout.stores[Home.DISK]
     on_disk = opt.plan.disk_chunks
     assert on_disk and all(c.transfer_nbytes >= 4 * mmap.PAGESIZE for c in on_disk)
 
     def resident() -> int:
-        return sum(_mapped_rss(internals(opt).placement.layout.disk.flat(c.index)) for c in on_disk)
+        return sum(_mapped_rss(internals(opt).placement.layout.stores[Home.DISK].flat(c.index)) for c in on_disk)
 
     assert resident() == 0  # the seeded masters are on the disk, not in memory
     run_steps(opt, params, 2)
     assert resident() == 0
-    assert store is internals(opt).placement.layout.disk
+    assert store is internals(opt).placement.layout.stores[Home.DISK]
     state = opt.state_dict()["state"]
     assert sum(float(t.float().abs().sum()) for e in state.values() for t in e.values() if t.dim()) > 0
     assert resident() > 0  # a reader maps the pages it reads, as with any file map; the test can see them
@@ -577,7 +577,7 @@ def test_a_forked_child_that_exits_leaves_the_parents_spill_files(tmp_path: Path
 
     model, opt = build("sync", spill_dir=tmp_path, host_budget_mb=budget_for(build("sync")[1].plan, 0.9))
     train(model, opt, range(2))
-    directory = internals(opt).placement.require().disk.directory
+    directory = internals(opt).placement.require().stores[Home.DISK].directory
     pid = os.fork()
     if pid == 0:  # the child drops its copy of the wrapper and runs the finalizers a normal exit runs at atexit
         try:

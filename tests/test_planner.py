@@ -36,8 +36,8 @@ def test_plan_invariants(bs: list[Bundle], chunk_bytes: int, num_slots: int, fra
     # Order kept and every bundle placed exactly once: offloaded chunks (a prefix), then resident chunks.
     placed = [i for c in plan.all_chunks for i in c.params]
     assert placed == [b.index for b in bs]
-    assert all(c.home is Home.HOST for c in plan.chunks)
-    assert all(c.home is Home.DEVICE for c in plan.resident_chunks)
+    assert all(c.home == Home.HOST for c in plan.chunks)
+    assert all(c.home == Home.DEVICE for c in plan.resident_chunks)
     assert [c.index for c in plan.all_chunks] == list(range(len(plan.all_chunks)))
     if fraction == 1.0:
         assert not plan.resident_chunks

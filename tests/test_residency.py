@@ -75,7 +75,7 @@ def test_the_budget_keeps_the_first_params_resident_and_the_window_inside_it() -
         assert plan.window_bound_nbytes + plan.resident_nbytes <= budget * 2**20
         assert [c.index for c in plan.all_chunks] == list(range(len(plan.all_chunks)))
         assert [i for c in plan.all_chunks for i in c.params] == list(range(8))  # steps run in param order
-        assert all(c.home is Home.DEVICE for c in plan.all_chunks[: len(plan.resident_chunks)])
+        assert all(c.home == Home.DEVICE for c in plan.all_chunks[: len(plan.resident_chunks)])
         del opt
 
 

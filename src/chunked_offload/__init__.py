@@ -1,6 +1,7 @@
 """chunked_offload: keep optimizer state in host memory and step it chunk by chunk on the GPU."""
 
 from .adapters import Adapter, GenericAdapter, KeyedAdapter, TEFusedAdamAdapter
+from .bounced import ChunkIntegrityError
 from .host_arena import HostArena
 from .layout import IncompatibleStateError
 from .masters import MasterMode
@@ -17,6 +18,7 @@ __all__ = [
     "Adapter",
     "Bundle",
     "Chunk",
+    "ChunkIntegrityError",
     "ChunkPlan",
     "ChunkedOffloadOptimizer",
     "ChunkedOffloadWarning",

@@ -187,8 +187,9 @@ class StepContext:
         except BaseException:
             stack.close()
             raise
-        disk = self.placement.layout.disk if self.placement.layout is not None else None
-        record = StepRecord(self.engine, self.placement.device, None if disk is None else disk.stats)
+        layout = self.placement.layout
+        io = [] if layout is None else [s.io for s in layout.stores.values() if s.io is not None]
+        record = StepRecord(self.engine, self.placement.device, io)
         coupled = frozenset(gi for gi in range(len(groups)) if self.adapter.couples(gi))
         grads_final = partial(self.adapter.grads_final, self.placement.stepped_dtype)
         return OpenStep(counters, record, stack, coupled, grads_final)

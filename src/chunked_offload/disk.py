@@ -1,38 +1,43 @@
-"""DiskStore: the chunks whose state does not fit the host budget, one file each, read through page-locked bounces."""
+"""The disk tier: DiskStore (the chunks whose state does not fit the host budget, one file each, read through
+page-locked bounces) and DiskTier (its planner rule and room checks)."""
 
 from __future__ import annotations
 
+import errno
+import logging
 import mmap
 import os
+import resource
 import shutil
-import time
 import weakref
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .bounced import BouncedStore
 from .disk_io import ALIGN, read_file_into, replace_file, write_new_file
-from .host_arena import typed_view
-from .planner import Chunk, Home, TensorSpec
+from .planner import Chunk, ChunkPlan, Home
+from .spill import check_free_space, spill
 from .tier_dirs import make_tier_dir
 
-__all__ = ["ALIGN", "SPARE", "DiskStats", "DiskStore", "read_file_into", "replace_file", "write_new_file"]
+__all__ = ["ALIGN", "SPARE", "DiskStore", "DiskTier", "read_file_into", "replace_file", "write_new_file"]
+
+logger = logging.getLogger(__name__)
 
 SPARE = "spare.bin"  # [Note: Spare generation]
 
 # [Note: Disk tier]
 # With ``spill_dir`` the planner keeps on the host the offloaded chunks from the first that fit ``host_budget_mb``
 # (with the bounce buffers below); the rest live in files, one per chunk, in a directory of their own under
-# ``spill_dir`` (removed with the store). A file holds the chunk's moving bytes as its host home would.
+# ``spill_dir`` (removed with the store). A file holds the chunk's moving bytes as its host home would; its blocks are
+# reserved when it is made (``fallocate``), so that a second wrapper or rank finds the disk full at construction.
 # - A step of such a chunk reads its file into one of ``num_slots + 1`` page-locked bounce buffers, on a reader
 #   thread and ahead of the step (the store reads the disk chunks in the order the step will stage them), then
 #   copies the bounce to its slot as from the host. Its write-back lands in the bounce, which is written to a file
 #   beside the old one (the spare of [Note: Spare generation], else a new one; through O_DIRECT where the
 #   filesystem takes it: a bounce is whole pages from a page boundary), flushed to the disk (``fsync``), and
-#   renamed over it. Only then is the chunk committed:
+#   renamed over it. Only then is the chunk committed (its sum recorded: [Note: Chunk integrity] in bounced.py):
 #   a failure before the rename (a full disk, an I/O error) rolls it back as any failed chunk, and the old file is
 #   still the chunk's. A crash mid-write leaves the old file and a stray ``.tmp`` that no load reads. A first step
 #   goes the same way: the bounce holds the file's masters (and zeros), and its write-back lands there too.
@@ -56,31 +61,7 @@ SPARE = "spare.bin"  # [Note: Spare generation]
 # and its blocks stay until its tensors are gone, as without a spare.
 
 
-@dataclass
-class DiskStats:
-    """What the disk tier did (cumulative; ``StepStats`` reports a step's share)."""
-
-    read_nbytes: int = 0
-    written_nbytes: int = 0
-    read_seconds: float = 0.0  # on the reader threads
-    write_seconds: float = 0.0
-    wait_seconds: float = 0.0  # the step waited for a read: the disk's exposed time
-
-
-class _Bounce:
-    def __init__(self, nbytes: int, pin: bool) -> None:
-        # Whole pages from a page boundary (page-locked memory starts on one), so that O_DIRECT can write it.
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-        if self.buffer.data_ptr() % ALIGN:
-            raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
-            start = -raw.data_ptr() % ALIGN
-            self.buffer = raw[start : start + nbytes]
-        self.chunk: int | None = None  # the chunk whose file it holds (or is reading)
-        self.read: Future[float] | None = None
-        self.staged = False  # a stage copies from it: its write-back lands in it; not evicted
-
-
-class DiskStore:
+class DiskStore(BouncedStore):
     """The disk chunks' files under a directory of their own in ``spill_dir`` ([Note: Disk tier]).
 
     Args:
@@ -92,52 +73,73 @@ class DiskStore:
     """
 
     home = Home.DISK
-    crosses_link = True
 
     def __init__(self, spill_dir: Path, chunks: Sequence[Chunk], bounces: int, bounce_nbytes: int, pin: bool) -> None:
+        _check_open_files(len(chunks))  # each file's map holds a descriptor
         self.directory = make_tier_dir(spill_dir)  # [Note: Tier directories]
         # Only the process that made the directory removes it: a fork's child exiting must not take the parent's files.
         self._cleanup = weakref.finalize(self, _remove_if_owner, self.directory, os.getpid())
-        self.chunks = {c.index: c for c in chunks}
-        self._by_offset = sorted((c.home_offset, c.index) for c in chunks)
-        self.stats = DiskStats()
         self._maps: dict[int, torch.Tensor] = {}
         self._mmaps: dict[int, mmap.mmap] = {}  # the current files' maps, under ``_maps``
+        self._ids: dict[int, tuple[int, int]] = {}  # (inode, size) of each chunk's current file
         try:
+            super().__init__(chunks, bounces, bounce_nbytes, pin)
             for c in chunks:
-                path = self.path(c.index)
-                with open(path, "xb") as f:
-                    f.truncate(c.transfer_nbytes)  # sparse: zeros until the first step writes the state
+                _reserve(self.path(c.index), c.transfer_nbytes, self.directory)  # zeros until a step writes the state
                 self._maps[c.index] = self._map(c.index)
-            self._bounces = [_Bounce(bounce_nbytes, pin) for _ in range(bounces)]
         except BaseException:
             self.close()
             raise
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="chunked_offload-disk")
-        self._expected: list[int] = []  # disk chunks a step will stage, in order, not yet read
         # The previous generation of the last chunk written, and its map (dead once nothing outside reads it).
         self._spare: weakref.ref[mmap.mmap] | None = None
-
-    # ------------------------------------------------------------------ the Store interface
-    @property
-    def nbytes(self) -> int:
-        return sum(c.transfer_nbytes for c in self.chunks.values())
-
-    @property
-    def bounce_nbytes(self) -> int:
-        return sum(b.buffer.numel() for b in self._bounces)
 
     def path(self, index: int) -> Path:
         return self.directory / f"chunk{index:05d}.bin"
 
+    def where(self, index: int) -> str:
+        return f"the file of chunk {index} ({self.path(index)})"
+
     def _map(self, index: int) -> torch.Tensor:
         n = self.chunks[index].transfer_nbytes
-        if n == 0:
-            return torch.empty(0, dtype=torch.uint8)
         with open(self.path(index), "r+b") as f:
+            st = os.fstat(f.fileno())
+            self._ids[index] = (st.st_ino, st.st_size)
+            if n == 0:
+                return torch.empty(0, dtype=torch.uint8)
             mapped = mmap.mmap(f.fileno(), n, flags=mmap.MAP_SHARED)  # the tensor keeps it (and the file) alive
         self._mmaps[index] = mapped
         return torch.frombuffer(mapped, dtype=torch.uint8)
+
+    def homes_of(self, index: int) -> torch.Tensor:
+        """The map of chunk ``index``'s current file."""
+        return self._maps[index]
+
+    flat = homes_of
+
+    def identity_error(self, index: int) -> str | None:
+        try:
+            st = os.stat(self.path(index))
+        except OSError as e:
+            found = f"is gone ({e.strerror or e})"
+        else:
+            if (st.st_ino, st.st_size) == self._ids[index]:
+                return None
+            inode, size = self._ids[index]
+            found = (
+                f"is another file (inode {st.st_ino}, {st.st_size} bytes; written: inode {inode}, {size} bytes): "
+                "replaced, truncated or rewritten outside the wrapper"
+            )
+        return (
+            f"{self.where(index)} {found}. The chunk was not stepped; the state in this wrapper is lost: load a "
+            "checkpoint into a new wrapper"
+        )
+
+    def check(self) -> str | None:
+        """Why the maps cannot be read (a file that is not the one written: reading past a truncation is SIGBUS)."""
+        for index in self.chunks:
+            if index not in self.failed and (why := self.identity_error(index)) is not None:
+                self.failed[index] = why
+        return super().check()
 
     def trim(self, index: int | None = None) -> None:
         """Flush what was written into the maps (of chunk ``index``, or all) to the files and drop their pages from
@@ -150,138 +152,23 @@ class DiskStore:
             mapped.flush()
             mapped.madvise(mmap.MADV_DONTNEED)
 
-    def _locate(self, offset: int) -> tuple[int, int]:
-        """The chunk at store offset ``offset`` and the offset inside it."""
-        for start, index in reversed(self._by_offset):
-            if start <= offset:
-                return index, offset - start
-        raise IndexError(f"offset {offset} is in no disk chunk")
+    def read_into(self, index: int, out: torch.Tensor) -> None:
+        read_file_into(self.path(index), out)
 
-    def region(self, offset: int, nbytes: int) -> torch.Tensor:
-        """``nbytes`` of a chunk's file map from store ``offset`` (a first step writes its state there)."""
-        index, inner = self._locate(offset)
-        return self._maps[index][inner : inner + nbytes]
-
-    def view(self, offset: int, spec: TensorSpec) -> torch.Tensor:
-        index, inner = self._locate(offset)
-        return typed_view(self._maps[index], inner, spec)
-
-    def flat(self, index: int) -> torch.Tensor:
-        """The map of chunk ``index``'s current file."""
-        return self._maps[index]
-
-    # ------------------------------------------------------------------ reads into the bounces
-    def expect(self, chunks: Sequence[Chunk]) -> None:
-        """The disk chunks a step will stage, in order: read them ahead into the free bounces."""
-        self._expected = [c.index for c in chunks if c.index in self.chunks]
-        self._read_ahead()
-
-    def _read_ahead(self) -> None:
-        held = {b.chunk for b in self._bounces}
-        for index in self._expected:
-            if index in held:
-                continue
-            bounce = next((b for b in self._bounces if b.chunk is None), None)
-            if bounce is None:
-                return
-            self._start_read(bounce, index)
-
-    def _start_read(self, bounce: _Bounce, index: int) -> None:
-        bounce.chunk, bounce.staged = index, False
-        path, out = self.path(index), bounce.buffer[: self.chunks[index].transfer_nbytes]
-        bounce.read = self._pool.submit(_timed_read, path, out)
-
-    def load(self, chunk: Chunk) -> torch.Tensor:
-        """The chunk's file bytes in a bounce (read now if no read is under way), which its stage copies from and its
-        write-back lands in."""
-        bounce = next((b for b in self._bounces if b.chunk == chunk.index), None)
-        if bounce is None:
-            bounce = self._free_bounce(chunk.index)
-            self._start_read(bounce, chunk.index)
-        assert bounce.read is not None
-        start = time.perf_counter()
-        try:
-            self.stats.read_seconds += bounce.read.result()
-        except BaseException:
-            if bounce.read.done():  # the read failed: the bounce is free
-                bounce.chunk, bounce.read = None, None
-            # Else the wait was interrupted (a KeyboardInterrupt) and the read still lands in the bounce: it keeps
-            # the read, so that a retry waits for it and no other chunk is given the bounce before it has ended.
-            raise
-        finally:
-            self.stats.wait_seconds += time.perf_counter() - start
-        self.stats.read_nbytes += chunk.transfer_nbytes
-        bounce.staged = True
-        if chunk.index in self._expected:
-            self._expected.remove(chunk.index)
-        return bounce.buffer[: chunk.transfer_nbytes]
-
-    def in_bounce(self, chunk: Chunk, home: torch.Tensor) -> torch.Tensor:
-        """The bytes of ``home`` (a contiguous view of the chunk's file map) in its bounce, with its dtype and shape."""
-        nbytes = home.numel() * home.element_size()
-        if nbytes == 0:
-            return home
-        offset = home.data_ptr() - self._maps[chunk.index].data_ptr()
-        assert home.is_contiguous() and 0 <= offset <= chunk.transfer_nbytes - nbytes
-        return self.bounce_of(chunk)[offset : offset + nbytes].view(home.dtype).view(home.shape)
-
-    def bounce_of(self, chunk: Chunk) -> torch.Tensor:
-        """The bounce a staged chunk's write-back lands in."""
-        bounce = next(b for b in self._bounces if b.chunk == chunk.index and b.staged)
-        return bounce.buffer[: chunk.transfer_nbytes]
-
-    def _free_bounce(self, index: int) -> _Bounce:
-        """A bounce for chunk ``index``: a free one, else one read ahead for a chunk expected later (dropped)."""
-        free = next((b for b in self._bounces if b.chunk is None), None)
-        if free is not None:
-            return free
-        ahead = [b for b in self._bounces if not b.staged]
-        if not ahead:
-            raise RuntimeError(
-                "the disk tier has no free bounce buffer: more chunks are staged at once than num_slots + 1"
-            )
-        order = {c: k for k, c in enumerate(self._expected)}
-        victim = max(ahead, key=lambda b: order.get(b.chunk, len(order)))  # type: ignore[arg-type]
-        self._settle(victim)
-        return victim
-
-    def _settle(self, bounce: _Bounce) -> None:
-        """Wait for the bounce's read (its outcome no longer matters) and free it."""
-        if bounce.read is not None:
-            try:
-                bounce.read.result()
-            except Exception:  # a failed read; an interrupted wait propagates, and the bounce keeps its read
-                pass
-        bounce.chunk, bounce.read, bounce.staged = None, None, False
-
-    def release(self, chunk: Chunk) -> None:
-        """The chunk's bounce is no longer needed (its stage was dropped, or its step failed): free it. The caller
-        has waited for any copy that reads it."""
-        for b in self._bounces:
-            if b.chunk == chunk.index:
-                self._settle(b)
-        self._read_ahead()
-
-    def release_all(self) -> None:
-        """The step is over: every bounce is free (the caller has waited for the copies), and no spare is kept."""
-        for b in self._bounces:
-            self._settle(b)
-        self._expected = []
+    def end_step(self) -> None:
+        """The step is over: every bounce is free, and no spare is kept."""
+        super().end_step()
         (self.directory / SPARE).unlink(missing_ok=True)
         self._spare = None
 
-    # ------------------------------------------------------------------ writes
-    def persist(self, chunk: Chunk) -> torch.Tensor:
-        """Write the chunk's bounce (its write-back has landed) to the spare or a new file, flush it, rename it over
-        the old one (which becomes the spare);
-        return the new file's map. A failure before the rename leaves the old file the chunk's."""
-        bounce = next(b for b in self._bounces if b.chunk == chunk.index and b.staged)
-        path = self.path(chunk.index)
+    def write_from(self, index: int, bounce: torch.Tensor, nbytes: int) -> torch.Tensor:
+        """Write ``nbytes`` of ``bounce`` to the spare or a new file, flush it, rename it over the old one (which
+        becomes the spare); return the new file's map. A failure before the rename leaves the old file the chunk's."""
+        path = self.path(index)
         tmp, spare = path.with_suffix(".tmp"), self.directory / SPARE
-        start = time.perf_counter()
         try:
             self._recycle(spare, tmp)
-            write_new_file(tmp, bounce.buffer, chunk.transfer_nbytes)
+            write_new_file(tmp, bounce, nbytes)  # O_DIRECT: the bounce is whole pages
             os.link(path, spare)  # the generation the rename replaces stays, as the next spare
             replace_file(tmp, path)
         except BaseException:
@@ -289,14 +176,10 @@ class DiskStore:
             if spare.exists() and spare.samefile(path):
                 spare.unlink()
             raise
-        self.stats.write_seconds += time.perf_counter() - start
-        self.stats.written_nbytes += chunk.transfer_nbytes
-        self._settle(bounce)
-        old = self._mmaps.pop(chunk.index, None)
+        old = self._mmaps.pop(index, None)
         self._spare = None if old is None else weakref.ref(old)
-        self._maps[chunk.index] = self._map(chunk.index)
-        self._read_ahead()
-        return self._maps[chunk.index]
+        self._maps[index] = self._map(index)
+        return self._maps[index]
 
     def _recycle(self, spare: Path, tmp: Path) -> None:
         """[Note: Spare generation]: the spare becomes ``tmp``, for its blocks, unless a map of it is still read."""
@@ -309,20 +192,74 @@ class DiskStore:
         self._spare = None
 
     def close(self) -> None:
-        pool = getattr(self, "_pool", None)
-        if pool is not None:
-            pool.shutdown(wait=True)
+        super().close()
         self._maps, self._mmaps = {}, {}
         self._cleanup()
+
+
+class DiskTier:
+    """The disk tier's planner rule and room checks ([Note: Disk tier]): ``spill_dir`` holds the offloaded chunks
+    beyond ``host_budget`` bytes."""
+
+    home = Home.DISK
+
+    def __init__(self, spill_dir: Path, host_budget: int) -> None:
+        self.spill_dir, self.host_budget = spill_dir, host_budget
+
+    def assign(self, plan: ChunkPlan) -> ChunkPlan:
+        return spill(plan, self.host_budget)
+
+    def check_room(self, plan: ChunkPlan) -> None:
+        """Before the files of ``plan`` are made (a store the layout reuses needs none): room for them and one more
+        generation of the largest."""
+        check_free_space(self.spill_dir, plan)
+
+    def open(self, plan: ChunkPlan, pin: bool) -> DiskStore:
+        chunks = [c for c in plan.chunks if c.home == self.home]
+        return DiskStore(self.spill_dir, chunks, plan.num_slots + 1, plan.bounce_nbytes, pin=pin)  # its own dir
+
+
+def _reserve(path: Path, nbytes: int, directory: Path) -> None:
+    """Make the file ``path`` of ``nbytes`` with its blocks reserved (``fallocate``) where the filesystem can."""
+    with open(path, "xb") as f:
+        try:
+            if nbytes:
+                os.posix_fallocate(f.fileno(), 0, nbytes)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise OSError(
+                    errno.ENOSPC,
+                    f"the disk of spill_dir has no room for the {nbytes}-byte file of a chunk ({directory} holds the "
+                    "tier's files): another wrapper or rank took the space; free space there, pass another "
+                    "spill_dir, or raise host_budget_mb",
+                ) from e
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+        f.truncate(nbytes)  # sparse where nothing was reserved
+
+
+def _check_open_files(files: int, spare: int = 64) -> None:
+    """Each chunk's file map holds a descriptor: raise the soft ``RLIMIT_NOFILE`` as far as the hard one lets, or
+    say what to raise."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        held = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        held = 0
+    need = held + files + spare
+    if soft == resource.RLIM_INFINITY or need <= soft:
+        return
+    if hard == resource.RLIM_INFINITY or need <= hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+        logger.info("raised the soft RLIMIT_NOFILE from %d to %d: the disk tier maps %d files", soft, need, files)
+        return
+    raise OSError(
+        errno.EMFILE,
+        f"the disk tier keeps {files} chunk files mapped, and this process may open {hard} files (RLIMIT_NOFILE, "
+        f"{held} open now): raise the limit (ulimit -n {need}, or a higher hard limit), or raise chunk_size_mb",
+    )
 
 
 def _remove_if_owner(directory: Path, owner: int) -> None:
     if os.getpid() == owner:
         shutil.rmtree(directory, ignore_errors=True)
-
-
-def _timed_read(path: Path, out: torch.Tensor) -> float:
-    start = time.perf_counter()
-    if out.numel():
-        read_file_into(path, out)
-    return time.perf_counter() - start

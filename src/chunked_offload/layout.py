@@ -10,13 +10,12 @@ from typing import Any
 import torch
 
 from .adapters import Adapter
-from .disk import DiskStore
 from .dtensor import like_param, local, same_tensor
 from .host_arena import typed_view
 from .masters import MASTER, MasterMode, needs_master
 from .planner import Chunk, ChunkPlan, Home, Role, TensorSpec, dense_spec
 from .state_table import bind
-from .storage import DeviceStore, HostStore, Store, stores_by_home
+from .storage import DeviceStore, HostStore, Store
 
 __all__ = [
     "BACKUP",
@@ -95,28 +94,50 @@ class Layout:
     Attributes:
         plan: the chunk plan.
         infos: every parameter, by index.
-        homes: the home of every moving bundle tensor: a host view (offloaded chunks) or a device view (resident
-            chunks).
+        homes: the home of every moving bundle tensor: a view of its chunk's store.
+        stores: each home's store ([Note: Storage seam] in storage.py): the host arena, the resident chunks' device
+            buffer (on the host after ``offload()``), and those of the tiers behind the host.
+        group_signatures: the adapter's layout signature of each param group when this layout was planned.
         bound: what a state entry holds for each home between steps: the home, or for a DTensor param a DTensor
             over it (see :func:`like_param`).
-        host: the store of the offloaded chunks (the host arena).
-        resident: the store of the resident chunks (on the device, or on the host after ``offload()``).
-        group_signatures: the adapter's layout signature of each param group when this layout was planned.
     """
 
     plan: ChunkPlan
     infos: list[ParamInfo]
     homes: Views
-    host: HostStore
-    resident: DeviceStore
+    stores: dict[Home, Store]
     group_signatures: list[Hashable]
     bound: Views
     stale: str | None = None  # why the next step must re-plan (``relayout``)
-    disk: DiskStore | None = None  # the files of the chunks on disk ([Note: Disk tier])
+
+    @property
+    def host(self) -> HostStore:
+        store = self.stores[Home.HOST]
+        assert isinstance(store, HostStore)
+        return store
+
+    @property
+    def resident(self) -> DeviceStore:
+        store = self.stores[Home.DEVICE]
+        assert isinstance(store, DeviceStore)
+        return store
 
     def store(self, chunk: Chunk) -> Store:
         """Where ``chunk``'s moving bytes live between steps ([Note: Storage seam] in storage.py)."""
-        return stores_by_home(self.host, self.resident, self.disk)[chunk.home]
+        return self.stores[chunk.home]
+
+    def commit(self, chunk: Chunk, state: Mapping[torch.Tensor, Any]) -> None:
+        """The chunk's landed write-back becomes its state in its store; its homes move with it if the store says so
+        (and the entries that held them are rebound)."""
+        flat = self.stores[chunk.home].commit(chunk)
+        if flat is not None:
+            self.move_chunk(chunk, flat, state)
+
+    def check(self) -> None:
+        """Raise if a store's homes cannot be read ([Note: Chunk integrity] in bounced.py)."""
+        for store in self.stores.values():
+            if (why := store.check()) is not None:
+                raise RuntimeError(f"the optimizer state cannot be read: {why}")
 
     def rebind(self, index: int) -> None:
         """Recompute what entries hold for param ``index`` after its homes moved."""
@@ -177,8 +198,7 @@ def rehome_state(state: Mapping[torch.Tensor, Any], layout: Layout) -> None:
                     if not same_tensor(local(value), home):
                         home.copy_(local(value))
                     bind(entry, spec.key, bound)
-        if layout.disk is not None and chunk.home is Home.DISK:
-            layout.disk.trim(chunk.index)  # one chunk's file pages in memory at a time ([Note: Disk tier])
+        layout.store(chunk).trim(chunk.index)  # one chunk's pages of a tier in memory at a time ([Note: Disk tier])
 
 
 def stale_reason(

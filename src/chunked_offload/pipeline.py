@@ -6,7 +6,6 @@ from collections.abc import Sequence
 
 import torch
 
-from .disk import DiskStore
 from .dtensor import local
 from .gate import StepGate
 from .held import HeldWriteBacks
@@ -108,8 +107,9 @@ class ChunkPipeline:
         layout = self._require()[0]
         if not all(fresh):
             self.pool.acquire(layout.plan.slot_nbytes)
-        if layout.disk is not None:  # its reader threads start on the files of the chunks staged first
-            layout.disk.expect([c for c, f in zip(chunks, fresh, strict=True) if not f])
+        staged = [c for c, f in zip(chunks, fresh, strict=True) if not f]
+        for store in layout.stores.values():  # a store behind the host reads the chunks staged first ahead
+            store.begin_step(staged)
         self.held.active = True
         self.engine.begin_step()
         self.flush_write_back()  # after begin_step: only this chunk's own H2D waits for it (``stage``)
@@ -126,24 +126,23 @@ class ChunkPipeline:
             self.engine.h2d_after(
                 self.held.landing[chunk.index]
             )  # its home is still being written by its held write-back
-        disk = self._disk(chunk)
-        source = disk.load(chunk) if disk is not None else self._home_region(chunk, n)  # a file: via its bounce
+        source = self.store(chunk).source(chunk)  # a tier behind the host: a buffer of its own
         event = self.engine.stage_in(slot, [(buffer[:n], source[:n])] if n else [])
-        slot.homes_copied = chunk.home is Home.DEVICE and n > 0
+        slot.homes_copied = chunk.home == Home.DEVICE and n > 0
         return event
 
     def release_staged(self, slot: Slot, chunk: Chunk, event: Event) -> None:
         """``chunk`` was staged in ``slot`` but another takes the slot: its H2D queues behind the one it replaces.
 
         A new H2D on the same stream keeps the waits the slot already has, so the slot goes back to where it was
-        before that H2D. A chunk on disk gives its bounce back once that H2D has read it.
+        before that H2D. A chunk whose store lands it apart gives its buffer back once that H2D has read it.
         """
         slot.advance((SlotState.LOADING,), SlotState.DRAINING)
-        disk = self._disk(chunk)
-        if disk is not None:
+        store = self.store(chunk)
+        if store.lands_apart:
             if event is not None:
                 event.synchronize()
-            disk.release(chunk)
+            store.release(chunk)
 
     def step(self, chunk: Chunk, slot: Slot, fresh: bool, h2d_event: Event, hooks: ChunkHooks) -> Pending:
         """Step one chunk in ``slot``: a fresh one in memory of its own, a staged one after its H2D (started)."""
@@ -162,8 +161,8 @@ class ChunkPipeline:
         pending.committing = True
         if pending.txn.failure is not None:
             raise pending.txn.failure  # rolled forward ([Note: One-op updates]): abort() enqueues the write-back
-        if self._disk(chunk) is not None:
-            self._commit_to_disk(chunk, pending)
+        if self.store(chunk).lands_apart:
+            self._commit_landed(chunk, pending)
             return
         if hold and self.store(chunk).crosses_link and pending.pairs and not pending.retain:
             self.flush_write_back(keep=self.held.limit - 1)  # at most held.limit are held
@@ -173,23 +172,19 @@ class ChunkPipeline:
             return
         self.gate.mark_ready(chunk.params, self.engine.write_back(pending.slot, pending.pairs, pending.retain))
 
-    def _commit_to_disk(self, chunk: Chunk, pending: Pending) -> None:
-        """The write-back of a chunk on disk lands in its bounce, which goes to a new file; the chunk is committed once
-        that file has replaced the old one ([Note: Disk tier])."""
-        disk, layout = self._disk(chunk), self.require_layout()
-        assert disk is not None
+    def _commit_landed(self, chunk: Chunk, pending: Pending) -> None:
+        """The write-back of a chunk whose store lands it apart (in a buffer of its own) is committed once it has
+        landed and the store has made it the chunk's state ([Note: Storage seam])."""
+        layout = self.require_layout()
         try:
             stepped = self.engine.write_back(pending.slot, pending.pairs, pending.retain)
             if pending.slot.free_event is not None:
                 pending.slot.free_event.synchronize()
-            layout.move_chunk(chunk, disk.persist(chunk), self.require_stepper().inner.state)
+            layout.commit(chunk, self.require_stepper().inner.state)
         except BaseException:
-            pending.committing = False  # the old file is still the chunk's: abort() rolls it back
+            pending.committing = False  # the store's old bytes are still the chunk's: abort() rolls it back
             raise
         self.gate.mark_ready(chunk.params, stepped)
-
-    def _disk(self, chunk: Chunk) -> DiskStore | None:  # the disk store, for a chunk on disk
-        return self.layout.disk if self.layout is not None and chunk.home is Home.DISK else None
 
     def flush_write_back(self, keep: int = 0) -> None:
         """Enqueue held write-backs, oldest first, until ``keep`` are left ([Note: Held write-back] in held.py)."""
@@ -200,13 +195,14 @@ class ChunkPipeline:
         a slot that holds a write-back)."""
         self.engine.end_step(self.pool.slots)
         self.pool.release(self.engine.d2h_stream, keep=self.held.slots)
-        self._release_bounces()
+        self._end_store_steps()
         self.held.end_step()
 
-    def _release_bounces(self) -> None:
-        """Every chunk on disk is written or was not stepped: the bounces are free (their reads end first)."""
-        if self.layout is not None and self.layout.disk is not None:
-            self.layout.disk.release_all()
+    def _end_store_steps(self) -> None:
+        """Every chunk is written or was not stepped: the stores' step buffers are free (their reads end first)."""
+        if self.layout is not None:
+            for store in self.layout.stores.values():
+                store.end_step()
 
     def synchronize(self) -> None:
         """Block until every write-back, the held one too, has landed in the homes."""
@@ -222,7 +218,7 @@ class ChunkPipeline:
         """Enqueue the held write-back, wait for every copy; the slots return to FREE (their memory stays)."""
         self.flush_write_back()
         self.engine.drain(self.pool.slots)
-        self._release_bounces()
+        self._end_store_steps()
 
     def drain_and_release(self) -> None:
         """Wait for every copy, then free the slots (after a failure, or when staged bytes are dropped)."""
@@ -282,7 +278,7 @@ class ChunkPipeline:
         self.engine.wait_staged(slot, h2d_event)
         buffer = self._buffer(slot)
         n = chunk.transfer_nbytes
-        if chunk.home is Home.DEVICE:
+        if chunk.home == Home.DEVICE:
             views = chunk_views(chunk, layout.infos, buffer, roles=(Role.SCRATCH,))
             for i in chunk.params:
                 views[i].update(layout.homes[i])
@@ -294,9 +290,8 @@ class ChunkPipeline:
             _, txn = stepper.run(chunk, views, hooks, fresh=False, restores=restores, one_op=n > 0 and not restores)
             return Pending(slot, txn, [])
         _, txn = stepper.run(chunk, chunk_views(chunk, layout.infos, buffer), hooks, fresh=False)
-        disk = self._disk(chunk)
-        home = disk.bounce_of(chunk) if disk is not None else self._home_region(chunk, n)  # a file: via its bounce
-        return Pending(slot, txn, [(home[:n], buffer[:n])] if n else [])
+        landing = self.store(chunk).landing(chunk)  # its homes, or a buffer of its store
+        return Pending(slot, txn, [(landing[:n], buffer[:n])] if n else [])
 
     def step_fresh(self, chunk: Chunk, slot: Slot, hooks: ChunkHooks) -> Pending:
         """First step of a chunk: the inner optimizer creates its state on the device; D2H reads it directly."""
@@ -306,10 +301,10 @@ class ChunkPipeline:
         wrapper_nbytes = chunk.region_nbytes[1]
         extra = wrapper_nbytes + chunk.region_nbytes[2]
         temp = torch.empty(extra, dtype=torch.uint8, device=self.pool.device) if extra else None
-        wrapper_home = self._home_region(chunk, wrapper_nbytes, offset=chunk.state_nbytes)
-        if (disk := self._disk(chunk)) is not None:
-            disk.load(chunk)  # a file: its first step reads and writes its bounce, as a later step does
-            wrapper_home = disk.in_bounce(chunk, wrapper_home)
+        store = self.store(chunk)
+        if store.lands_apart:
+            store.source(chunk)  # its first step reads and writes the store's buffer, as a later one does
+        wrapper_home = store.in_landing(chunk, self._home_region(chunk, wrapper_nbytes, offset=chunk.state_nbytes))
         h2d = [(temp[:wrapper_nbytes], wrapper_home)] if temp is not None and wrapper_nbytes else []
         event = engine.stage_in(slot, h2d, fresh_memory=True)
         engine.wait_staged(slot, event)
@@ -318,7 +313,7 @@ class ChunkPipeline:
         else:
             views = chunk_views(chunk, layout.infos, temp, shift=chunk.state_nbytes, roles=_NON_STATE)
         fresh_pairs, txn = stepper.run(chunk, views, hooks, fresh=True)
-        pairs = [(h, t) if disk is None else (disk.in_bounce(chunk, h), t) for h, t in fresh_pairs]
+        pairs = [(store.in_landing(chunk, h), t) for h, t in fresh_pairs]
         retain = [t for _, t in fresh_pairs]
         if temp is not None:
             if wrapper_nbytes:

@@ -5,23 +5,22 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from .adapters import Adapter, check_groups
 from .checks import check_params, check_sharding
-from .dtensor import local
+from .dtensor import like_param, local
 from .gate import StepGate
 from .layout import IncompatibleStateError, Layout, ParamInfo, rehome_state, stale_reason
 from .masters import MasterMode, needs_master, read_master, write_master
 from .pipeline import ChunkPipeline
 from .planner import ChunkPlan
 from .planning import describe, place, plan_layout
-from .spill import check_free_space, spill
 from .state_table import StateBinding, StateTable
 from .stepping import ChunkStepper
+from .storage import Tier
 from .transfer import MoveHandle, TransferEngine
 
 __all__ = ["PlanOptions", "Placement", "Prepared"]
@@ -39,8 +38,7 @@ class PlanOptions:
     num_slots: int
     offload_fraction: float
     gpu_budget: int | None  # device bytes the wrapper may hold; None: by ``offload_fraction``
-    spill_dir: Path | None = None  # the disk tier's directory ([Note: Disk tier]); None: no disk tier
-    host_budget: int | None = None  # with ``spill_dir``: host bytes the offloaded chunks and the bounces may take
+    tiers: tuple[Tier, ...] = ()  # the stores behind the host and their planner rules ([Note: Storage seam])
 
 
 @dataclass
@@ -194,10 +192,8 @@ class Placement:
             offload_fraction=options.offload_fraction,
             gpu_budget=options.gpu_budget,
         )
-        if options.spill_dir is not None and options.host_budget is not None:
-            plan = spill(plan, options.host_budget)
-            if plan.disk_chunks:
-                check_free_space(options.spill_dir, plan)  # before anything is allocated
+        for tier in options.tiers:
+            plan = tier.assign(plan)  # before anything is allocated
         signatures = [self.adapter.layout_signature(dict(g)) for g in groups]
         old = self.layout
         same_params = (
@@ -207,11 +203,11 @@ class Placement:
         )
         reusable = old is not None and old.stale is None and not self.offloaded
         if old is not None and reusable and same_params and plan == old.plan:
-            same = Layout(plan, infos, old.homes, old.host, old.resident, signatures, old.bound, disk=old.disk)
+            same = Layout(plan, infos, old.homes, old.stores, signatures, old.bound)
             return Prepared(infos, same, False)
         self.pipeline.drain()  # the previous layout's homes are read below; no write-back may still be in flight
         layout = place(
-            plan, infos, old, signatures, pin=self.pin, device=self.device, mode=self.mode, spill_dir=options.spill_dir
+            plan, infos, old, signatures, pin=self.pin, device=self.device, mode=self.mode, tiers=options.tiers
         )
         return Prepared(infos, layout, True)
 
@@ -232,10 +228,11 @@ class Placement:
         self.pipeline.bind(layout, ChunkStepper(self.inner, self.adapter, self.mode, layout))
 
     def trim(self) -> None:
-        """Flush what was written into the disk tier's file maps, and drop their pages ([Note: Disk tier]); placing
+        """What the host wrote into the homes goes where each store keeps its bytes ([Note: Storage seam]); placing
         and re-homing do it chunk by chunk, a load after writing the masters."""
-        if self.layout is not None and self.layout.disk is not None:
-            self.layout.disk.trim()
+        if self.layout is not None:
+            for store in self.layout.stores.values():
+                store.trim()
 
     # ------------------------------------------------------------------ offload / reload
     def offload(self, non_blocking: bool) -> MoveHandle:
@@ -284,6 +281,17 @@ class Placement:
     def write_master(self, info: ParamInfo, master: torch.Tensor) -> None:
         """Set a param's master and the param itself (``master`` of its local shard, or a DTensor)."""
         write_master(self.require().homes[info.index], local(info.param), local(master), self.mode)
+
+    def exported(self, index: int, value: torch.Tensor) -> torch.Tensor:
+        """``value`` for a state dict: a home of param ``index`` on a storage of its own (``Store.export``: a
+        ``torch.save`` of it writes nothing else of its store), anything else as it is."""
+        layout = self.require()
+        tensor = local(value)
+        chunk = layout.plan.chunk_of(index)
+        if chunk is None or not any(tensor is home for home in layout.homes[index].values()):
+            return value
+        own = layout.store(chunk).export(tensor)
+        return value if own is tensor else like_param(own, value)
 
     # ------------------------------------------------------------------ figures
     @property

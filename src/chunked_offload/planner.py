@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
-from .specs import ALIGNMENT, PAGE, Bundle, Role, TensorSpec, align, dense_spec, whole_pages
+from .chunks import Chunk, ChunkPlan, Home
+from .specs import ALIGNMENT, PAGE, Bundle, Role, TensorSpec, align, dense_spec
 
 __all__ = [
     "ALIGNMENT",
@@ -50,49 +49,6 @@ MIN_AUTO_CHUNK_BYTES = 64 * 2**20
 _REGION_OF = {Role.STATE: 0, Role.MASTER: 1, Role.REMAINDER: 1, Role.TIE_BITS: 1, Role.SCRATCH: 2}
 
 
-class Home(enum.Enum):
-    """Where a chunk's moving bytes live between steps."""
-
-    HOST = "host"  # the host arena: offloaded
-    DEVICE = "device"  # a device buffer: resident (``offload_fraction < 1``); staged by device-to-device copies
-    DISK = "disk"  # a file per chunk under ``spill_dir``, read into page-locked bounce buffers ([Note: Disk tier])
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """A run of whole bundles that is staged, stepped and written back together.
-
-    Attributes:
-        index: position in the plan, in parameter order.
-        params: parameter indices, in ``param_groups`` order.
-        home: where the chunk's moving bytes live between steps.
-        home_offset: byte offset of the chunk's moving bytes in its home buffer (host arena or device buffer).
-        region_nbytes: bytes of the three regions (state, wrapper-owned, scratch).
-        offsets: byte offset of each tensor inside the chunk, keyed by ``(param index, key)``.
-    """
-
-    index: int
-    params: tuple[int, ...]
-    home: Home
-    home_offset: int
-    region_nbytes: tuple[int, int, int]
-    offsets: dict[tuple[int, str], int] = field(repr=False, compare=False)
-
-    @property
-    def state_nbytes(self) -> int:
-        return self.region_nbytes[0]
-
-    @property
-    def transfer_nbytes(self) -> int:
-        """Bytes copied each way: the state and wrapper-owned regions."""
-        return self.region_nbytes[0] + self.region_nbytes[1]
-
-    @property
-    def device_nbytes(self) -> int:
-        """Bytes of staging memory the chunk needs on the device."""
-        return sum(self.region_nbytes)
-
-
 def _layout_chunk(index: int, bundles: Sequence[Bundle], home: Home, home_offset: int) -> Chunk:
     sizes = [0, 0, 0]
     for b in bundles:
@@ -106,115 +62,6 @@ def _layout_chunk(index: int, bundles: Sequence[Bundle], home: Home, home_offset
             offsets[(b.index, s.key)] = cursor[region]
             cursor[region] += s.padded_nbytes
     return Chunk(index, tuple(b.index for b in bundles), home, home_offset, (sizes[0], sizes[1], sizes[2]), offsets)
-
-
-@dataclass(frozen=True)
-class ChunkPlan:
-    """The deterministic schedule of what moves together.
-
-    Attributes:
-        chunks: offloaded chunks in parameter order; their moving bytes tile the host arena in this order.
-        resident_chunks: chunks of the bundles kept on the device (``offload_fraction < 1``: the last bundles;
-            ``resident_budget``: the first ones), in parameter order;
-            their moving bytes tile one device buffer. They are staged and stepped like offloaded chunks, with
-            device-to-device copies, so a failed step can roll them back too.
-        bundles: every bundle, by parameter index.
-        chunk_bytes: the requested chunk size in bytes.
-        num_slots: staging slots on the device.
-        workspace_nbytes: device memory a chunk's step takes beside the slots, at most (the caller's estimate,
-            ``layout.step_workspace``; 0 from ``plan_chunks``).
-    """
-
-    chunks: tuple[Chunk, ...]
-    resident_chunks: tuple[Chunk, ...]
-    bundles: tuple[Bundle, ...]
-    chunk_bytes: int
-    num_slots: int
-    workspace_nbytes: int = 0
-
-    @property
-    def all_chunks(self) -> tuple[Chunk, ...]:
-        """Every chunk, in parameter order (the order a step runs them)."""
-        if self.resident_chunks and self.chunks and self.resident_chunks[0].params[0] < self.chunks[0].params[0]:
-            return self.resident_chunks + self.chunks
-        return self.chunks + self.resident_chunks
-
-    @property
-    def host_nbytes(self) -> int:
-        """Size of the host arena."""
-        return max((c.home_offset + c.transfer_nbytes for c in self.chunks if c.home is Home.HOST), default=0)
-
-    @property
-    def disk_chunks(self) -> tuple[Chunk, ...]:
-        """The offloaded chunks whose home is a file ([Note: Disk tier])."""
-        return tuple(c for c in self.chunks if c.home is Home.DISK)
-
-    @property
-    def disk_nbytes(self) -> int:
-        """Bytes of the chunks' files."""
-        return sum(c.transfer_nbytes for c in self.disk_chunks)
-
-    @property
-    def bounce_nbytes(self) -> int:
-        """Bytes of one page-locked bounce buffer: the largest chunk on disk, in whole pages (O_DIRECT writes them)."""
-        return whole_pages(max((c.transfer_nbytes for c in self.disk_chunks), default=0))
-
-    @property
-    def resident_nbytes(self) -> int:
-        """Size of the device buffer that holds the resident chunks between steps."""
-        return max((c.home_offset + c.transfer_nbytes for c in self.resident_chunks), default=0)
-
-    @property
-    def resident_share(self) -> float:
-        """Share of the state's bytes that stay resident on the device."""
-        total = self.resident_nbytes + self.host_nbytes + self.disk_nbytes
-        return self.resident_nbytes / total if total else 0.0
-
-    @property
-    def largest_bundle_nbytes(self) -> int:
-        return max((b.device_nbytes for b in self.bundles), default=0)
-
-    @property
-    def slot_nbytes(self) -> int:
-        """Bytes of one staging slot: the largest chunk."""
-        return max((c.device_nbytes for c in self.all_chunks), default=0)
-
-    @property
-    def window_bound_nbytes(self) -> int:
-        """The device memory a step takes beside the resident state, at most ([Note: Window bound]): ``num_slots``
-        slots of the largest chunk, and the workspace of the chunk step that takes the most beside them."""
-        return self.num_slots * self.slot_nbytes + self.workspace_nbytes
-
-    def chunk_of(self, param_index: int) -> Chunk | None:
-        for c in self.all_chunks:
-            if param_index in c.params:
-                return c
-        return None
-
-    def summary(self) -> str:
-        """A short human-readable description."""
-        mib = 2**20
-        lines = [
-            f"ChunkPlan: {len(self.chunks)} offloaded chunks over {sum(len(c.params) for c in self.chunks)} params"
-            f" + {len(self.resident_chunks)} resident chunks, host arena {self.host_nbytes / mib:.1f} MiB, "
-            f"resident {self.resident_nbytes / mib:.1f} MiB, slot {self.slot_nbytes / mib:.1f} MiB x "
-            f"{self.num_slots}, window bound {self.window_bound_nbytes / mib:.1f} MiB"
-            + (
-                f", {len(self.disk_chunks)} chunks on disk ({self.disk_nbytes / mib:.1f} MiB, bounce "
-                f"{self.bounce_nbytes / mib:.1f} MiB x {self.num_slots + 1})"
-                if self.disk_chunks
-                else ""
-            )
-        ]
-        for c in self.all_chunks:
-            lines.append(
-                f"  chunk {c.index} ({c.home.value}): params {c.params[0]}..{c.params[-1]} ({len(c.params)}), "
-                f"moves {c.transfer_nbytes / mib:.2f} MiB, slot {c.device_nbytes / mib:.2f} MiB"
-            )
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.summary()
 
 
 def plan_chunks(

@@ -4,19 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from .adapters import Adapter, spec_of
-from .disk import DiskStore
 from .dtensor import local, planning_weight
 from .host_arena import HostArena
 from .layout import BACKUP, IncompatibleStateError, Layout, ParamInfo, Views, signature, stepped_like
 from .masters import MASTER, REMAINDER, TIE_BITS, MasterMode, codec_workspace, master_specs
 from .planner import Bundle, Chunk, ChunkPlan, Home, Role, TensorSpec, dense_spec, plan_chunks
-from .storage import DeviceStore, HostStore, stores_by_home
+from .storage import DeviceStore, HostStore, Store, Tier
 
 __all__ = ["describe", "place", "plan_layout", "step_workspace"]
 
@@ -181,28 +179,17 @@ def place(
     pin: bool,
     device: torch.device,
     mode: MasterMode,
-    spill_dir: Path | None = None,
+    tiers: Sequence[Tier] = (),
 ) -> Layout:
-    """Allocate the stores of ``plan`` (host arena, resident buffer) and carry wrapper-owned masters over from
-    ``previous``.
+    """Allocate the stores of ``plan`` (host arena, resident buffer, those of the tiers behind the host) and carry
+    wrapper-owned masters over from ``previous``.
 
-    The previous arena is reused when every moving tensor keeps its host offset (no re-pinning, for example after
-    a chunk-size change without masters). Inner-optimizer state is moved by :func:`rehome_state`. Nothing is
+    A previous store is reused where every moving tensor keeps its offset in it (no re-pinning after a chunk-size
+    change without masters; no new files for a load of the wrapper's own checkpoint), and a tier checks its room
+    for a new store before anything is allocated. Inner-optimizer state is moved by :func:`rehome_state`. Nothing is
     modified if an allocation fails.
     """
-    if previous is not None and _host_layout(plan) == _host_layout(previous.plan):
-        host = previous.host
-    else:
-        host_chunks = [c for c in plan.chunks if c.home is Home.HOST]
-        host = HostStore(HostArena(plan.host_nbytes, pin=pin, boundaries=[c.home_offset for c in host_chunks]))
-    flat = torch.empty(plan.resident_nbytes, dtype=torch.uint8, device=device) if plan.resident_chunks else None
-    resident = DeviceStore(flat)
-    disk = None
-    if plan.disk_chunks:
-        if spill_dir is None:
-            raise RuntimeError("a plan with chunks on disk needs spill_dir")
-        disk = DiskStore(spill_dir, plan.disk_chunks, plan.num_slots + 1, plan.bounce_nbytes, pin=pin)  # its own dir
-    stores = stores_by_home(host, resident, disk)
+    stores = _stores(plan, previous, tiers, pin=pin, device=device)
     homes: Views = {}
     for chunk in plan.all_chunks:
         store = stores[chunk.home]
@@ -216,21 +203,54 @@ def place(
         for i in chunk.params:
             if infos[i].has_master:
                 _seed_master(infos[i], homes[i], old_homes.get(id(infos[i].param)), mode)
-        if disk is not None and chunk.home is Home.DISK:
-            disk.trim(chunk.index)  # one chunk's file pages in memory at a time ([Note: Disk tier])
-    layout = Layout(plan, infos, homes, host, resident, group_signatures, {}, disk=disk)
+        stores[chunk.home].trim(chunk.index)  # one chunk's pages of a tier in memory at a time ([Note: Disk tier])
+    layout = Layout(plan, infos, homes, stores, group_signatures, {})
     for info in infos:
         layout.rebind(info.index)
     return layout
 
 
-def _host_layout(plan: ChunkPlan) -> list[tuple[int, str, int]]:
-    """Where every moving tensor sits in the host arena: equal layouts can share one arena (no re-pinning)."""
+def _stores(
+    plan: ChunkPlan, previous: Layout | None, tiers: Sequence[Tier], *, pin: bool, device: torch.device
+) -> dict[Home, Store]:
+    """Each home's store for ``plan``: a previous one where its layout is the same, else a new one (the tiers check
+    their room first)."""
+    kept = {} if previous is None else {
+        home: store for home, store in previous.stores.items()
+        if home != Home.DEVICE and _store_layout(plan, home) == _store_layout(previous.plan, home)
+    }  # fmt: skip
+    opening = [t for t in tiers if t.home not in kept and any(c.home == t.home for c in plan.chunks)]
+    for tier in opening:
+        tier.check_room(plan)
+    host = kept.get(Home.HOST)
+    if host is None:
+        host_chunks = [c for c in plan.chunks if c.home == Home.HOST]
+        host = HostStore(HostArena(plan.host_nbytes, pin=pin, boundaries=[c.home_offset for c in host_chunks]))
+    flat = torch.empty(plan.resident_nbytes, dtype=torch.uint8, device=device) if plan.resident_chunks else None
+    stores: dict[Home, Store] = {Home.HOST: host, Home.DEVICE: DeviceStore(flat)}
+    stores.update({h: s for h, s in kept.items() if h != Home.HOST and any(c.home == h for c in plan.chunks)})
+    try:
+        for tier in opening:
+            stores[tier.home] = tier.open(plan, pin)
+        if missing := {c.home for c in plan.chunks} - set(stores):
+            raise RuntimeError(f"the plan has chunks on {sorted(missing)}, which no tier of this wrapper stores")
+    except BaseException:
+        for tier in opening:
+            if tier.home in stores:
+                stores[tier.home].close()
+        raise
+    return stores
+
+
+def _store_layout(plan: ChunkPlan, home: Home) -> list[tuple[int, int, str, int, int]]:
+    """Where every moving tensor of the chunks of ``home`` sits in its store: equal layouts can share one store (a
+    tier's, chunk by chunk: its chunks keep their index and size)."""
     specs = {b.index: b.specs for b in plan.bundles}
+    whole = home == Home.HOST  # one arena: chunks may be renumbered
     return [
-        (i, s.key, c.home_offset + c.offsets[(i, s.key)])
+        (-1 if whole else c.index, i, s.key, c.home_offset + c.offsets[(i, s.key)], 0 if whole else c.transfer_nbytes)
         for c in plan.chunks
-        if c.home is Home.HOST
+        if c.home == home
         for i in c.params
         for s in specs[i]
         if s.role.moves

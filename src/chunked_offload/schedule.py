@@ -263,7 +263,7 @@ class StepSchedule:
         """Whether ``chunk`` steps inside ``step()`` ([Note: Deferred chunks]): it is resident, or a param of it with a
         grad is read by no attached forward that waits for it (one no gate holds, or one the last forward did not ask
         for)."""
-        if chunk.home is Home.DEVICE:
+        if chunk.home == Home.DEVICE:
             return True
         gated = {id(p) for params in self.pipeline.gate.gated.values() for p in params}
         read = self.reads.last

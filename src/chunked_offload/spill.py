@@ -129,7 +129,7 @@ def spill(plan: ChunkPlan, host_budget: int) -> ChunkPlan:
     Raises:
         ValueError: not even the bounce buffers fit.
     """
-    host = [c for c in plan.chunks if c.home is Home.HOST]
+    host = [c for c in plan.chunks if c.home == Home.HOST]
     bounces = plan.num_slots + 1
     for keep in range(len(host), -1, -1):
         disk = host[keep:]

@@ -74,15 +74,16 @@ def save(opt: torch.optim.Optimizer, placement: Placement, *, snapshot: bool) ->
     for pre_hook in list(inner._optimizer_state_dict_pre_hooks.values()):
         pre_hook(inner)
     placement.synchronize()  # every in-flight D2H lands before its host view is handed out
+    placement.require().check()  # a store whose files failed a check: its views would be wrong, or SIGBUS
     sd = torch.optim.Optimizer.state_dict(opt)  # the wrapper's hooks, torch's packing, over the inner's state
-    to_checkpoint = placement.adapter.to_checkpoint
+    to_checkpoint, own = placement.adapter.to_checkpoint, placement.exported
     state = {  # never alias inner.state; tensors in the inner optimizer's own checkpoint dtypes
-        pid: {k: to_checkpoint(k, v) if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+        pid: {k: own(pid, to_checkpoint(k, v)) if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
         for pid, entry in sd["state"].items()
     }
     for info in placement.infos:
         if info.has_master and info.index in state:
-            state[info.index][MASTER_KEY] = like_param(placement.read_master(info), info.param)
+            state[info.index][MASTER_KEY] = own(info.index, like_param(placement.read_master(info), info.param))
     if snapshot:
         state = {pid: {k: _host_copy(v) for k, v in entry.items()} for pid, entry in state.items()}
     sd["state"] = {pid: CheckpointEntry.of(entry) for pid, entry in state.items()}
@@ -115,6 +116,7 @@ def load(opt: torch.optim.Optimizer, placement: Placement, state_dict: Any) -> N
             if out is not None:
                 state_dict = out
     hparams, entries, saved_groups = _validate(placement, state_dict)
+    placement.require().check()  # the homes of a store whose files failed a check cannot be written either
     # What the inner optimizer makes of the checkpoint (its own fix-ups in __setstate__), on copies.
     groups = [{**values, "params": g["params"]} for g, values in zip(inner.param_groups, hparams, strict=True)]
     groups, state = _fixed_up(inner, groups, _placed_state(placement, entries, saved_groups))

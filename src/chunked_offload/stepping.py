@@ -145,7 +145,7 @@ class ChunkStepper:
         inner left, as plain torch would. A step whose update took more than one op refutes the adapter's promise:
         the wrapper warns, and from then on every resident chunk takes the copy.
         """
-        if chunk.home is not Home.DEVICE or self.mode is MasterMode.REMAINDER or not ONE_OP_UPDATES:
+        if chunk.home != Home.DEVICE or self.mode is MasterMode.REMAINDER or not ONE_OP_UPDATES:
             return False
         group = self._one_group.get(chunk.index)
         if group is None:

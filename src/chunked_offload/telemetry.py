@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import fields
 
 import torch
 
-from .disk import DiskStats
 from .planner import Chunk
 from .staging import StagingPool
-from .storage import Store
+from .step_stats import StepStats, io_figures
+from .storage import IOStats, Store
 from .transfer import TransferEngine
 
 # The profiler scope of the host's work for one chunk of a step (``benchmarks/trace_summary.py`` reads it).
@@ -24,48 +25,6 @@ logger = logging.getLogger(__name__)
 _MIB = 2**20
 
 
-@dataclass(frozen=True)
-class StepStats:
-    """Figures of one ``step()`` (``opt.stats``).
-
-    Attributes:
-        chunks: chunks stepped.
-        h2d_bytes: bytes copied host -> device (offloaded chunks; in a backward step also those staged ahead and
-            then not stepped from that slot, [Note: Backward order]).
-        d2h_bytes: bytes copied device -> host (offloaded chunks, and the state a first step creates).
-        d2d_bytes: bytes copied within the device each way (resident chunks).
-        seconds: from the start of the step to the last write-back landing (device time on a GPU).
-        link_gbps: ``(h2d_bytes + d2h_bytes) / seconds`` in GB/s (1e9 bytes).
-        exposed_seconds: how long the step held the caller's stream, which the next forward waits for; None when
-            the step overlaps it (``overlap=True``), where it depends on the forward.
-        window_bytes: peak device memory the step took beside the resident state (slots and fresh state).
-        resident_bytes: device memory holding resident state between steps.
-        resident_share: share of the state's bytes resident on the device (``gpu_budget_mb="auto"`` moves it).
-        pinned_host_bytes: page-locked host memory of the arena.
-        disk_read_bytes: bytes read from the disk tier's files ([Note: Disk tier]); 0 without ``spill_dir``.
-        disk_written_bytes: bytes written to them.
-        disk_gbps: ``(disk_read_bytes + disk_written_bytes)`` over the seconds the disk spent on them, in GB/s.
-        disk_exposed_seconds: how long the step's host thread waited for the disk (reads not done ahead, and the
-            writes, which a chunk's commit waits for).
-    """
-
-    chunks: int
-    h2d_bytes: int
-    d2h_bytes: int
-    d2d_bytes: int
-    seconds: float
-    link_gbps: float
-    exposed_seconds: float | None
-    window_bytes: int
-    resident_bytes: int
-    resident_share: float
-    pinned_host_bytes: int
-    disk_read_bytes: int = 0
-    disk_written_bytes: int = 0
-    disk_gbps: float = 0.0
-    disk_exposed_seconds: float = 0.0
-
-
 class StepRecord:
     """Counts bytes while a step runs and keeps the events that time it; ``stats()`` resolves them.
 
@@ -73,10 +32,10 @@ class StepRecord:
     the CPU every copy is synchronous and wall-clock time is the step's time.
     """
 
-    def __init__(self, engine: TransferEngine, device: torch.device, disk: DiskStats | None = None) -> None:
+    def __init__(self, engine: TransferEngine, device: torch.device, io: Sequence[IOStats] = ()) -> None:
         self.chunks = 0
-        self._disk = disk  # cumulative: the step's share is read at its start and end
-        self._disk_start = self._disk_end = replace(disk) if disk is not None else DiskStats()
+        self._io = list(io)  # the stores' I/O, cumulative: the step's share is read at its start and end
+        self._io_start = self._io_end = _total(self._io)
         self.h2d = self.d2h = self.d2d = 0
         self.window = 0
         self.overlapped = False
@@ -135,8 +94,7 @@ class StepRecord:
         if self._timed:
             self._end = self._event(self._engine.d2h_stream)
         self._t_end = time.perf_counter()
-        if self._disk is not None:
-            self._disk_end = replace(self._disk)
+        self._io_end = _total(self._io)
 
     def stats(self, resident_bytes: int, resident_share: float, pinned_host_bytes: int) -> StepStats:
         seconds, exposed = self._t_end - self._t0, self._t_compute - self._t0
@@ -146,9 +104,6 @@ class StepRecord:
             seconds = self._start.elapsed_time(self._end) / 1e3
             exposed = self._start.elapsed_time(self._compute) / 1e3
         moved = self.h2d + self.d2h
-        a, b = self._disk_start, self._disk_end
-        disk_bytes = b.read_nbytes - a.read_nbytes + b.written_nbytes - a.written_nbytes
-        disk_seconds = b.read_seconds - a.read_seconds + b.write_seconds - a.write_seconds
         return StepStats(
             chunks=self.chunks,
             h2d_bytes=self.h2d,
@@ -161,8 +116,13 @@ class StepRecord:
             resident_bytes=resident_bytes,
             resident_share=resident_share,
             pinned_host_bytes=pinned_host_bytes,
-            disk_read_bytes=b.read_nbytes - a.read_nbytes,
-            disk_written_bytes=b.written_nbytes - a.written_nbytes,
-            disk_gbps=disk_bytes / disk_seconds / 1e9 if disk_seconds > 0 else 0.0,
-            disk_exposed_seconds=b.wait_seconds - a.wait_seconds + b.write_seconds - a.write_seconds,
+            **io_figures(self._io_start, self._io_end),
         )
+
+
+def _total(io: Sequence[IOStats]) -> IOStats:
+    total = IOStats()
+    for stats in io:
+        for f in fields(IOStats):
+            setattr(total, f.name, getattr(total, f.name) + getattr(stats, f.name))
+    return total

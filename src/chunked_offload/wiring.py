@@ -15,6 +15,7 @@ from .adapters import Adapter
 from .budget import auto_budget, budget_options
 from .callbacks import prepare_for_dynamo
 from .context import StepContext
+from .disk import DiskTier
 from .gate import StepGate
 from .grad_hooks import GradHooks
 from .hooks import HookSet
@@ -29,6 +30,7 @@ from .schedule import StepSchedule
 from .spill import auto_host_budget, check_spill_dir
 from .staging import StagingPool
 from .state_table import StateBinding
+from .storage import Tier
 from .streams import StreamContext
 from .tier_dirs import reclaim_stale
 from .transfer import TransferEngine
@@ -85,17 +87,17 @@ class Options:
             warn(warning)  # at the caller's line, in the category users filter
         if spill_path is not None:
             reclaim_stale(spill_path)  # a killed run's files ([Note: Tier directories] in tier_dirs.py)
-        host_budget = None
-        if spill_path is not None:  # [Note: Disk tier]: measured once, at construction
+        tiers: tuple[Tier, ...] = ()
+        if spill_path is not None:  # [Note: Disk tier]: the host budget measured once, at construction
             auto = host_budget_mb is None or host_budget_mb == "auto"
             host_budget = auto_host_budget() if auto else int(float(host_budget_mb) * _MIB)  # type: ignore[arg-type]
+            tiers = (DiskTier(spill_path, host_budget),)
         plan = PlanOptions(
             chunk_bytes=max(1, int(chunk_size_mb * _MIB)),
             num_slots=num_slots,
             offload_fraction=1.0 if offload_fraction is None else float(offload_fraction),
             gpu_budget=None if budget_mb is None else int(budget_mb * _MIB),
-            spill_dir=spill_path,
-            host_budget=host_budget,
+            tiers=tiers,
         )
         return cls(
             plan=plan,
