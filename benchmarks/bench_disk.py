@@ -143,8 +143,18 @@ def tier_pattern(directory: Path, file_nbytes: int, files: int) -> tuple[float, 
 
 
 # ------------------------------------------------------------------------------------------------ one step variant
+def warm_up(device: torch.device) -> None:
+    """Load the CUDA context and the kernels the run uses (their images take host memory on first use): the base of
+    the peak RSS is the process before the wrapper, not before CUDA."""
+    p = torch.nn.Parameter(torch.zeros(4096, device=device))
+    p.grad = torch.randn(4096, generator=torch.Generator(device=device).manual_seed(0), device=device)
+    torch.optim.AdamW([p], fused=device.type == "cuda").step()
+    torch.randn(64, 64, device=device, dtype=torch.bfloat16) @ torch.randn(64, 64, device=device, dtype=torch.bfloat16)
+    synchronize(device)
+
+
 def one_step_variant(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    torch.empty(1, device=device)  # the CUDA context's host memory is the process's, not the wrapper's
+    warm_up(device)
     base = rss()["VmRSS"]
     params = make_matrices(args.params, args.dim, torch.float32, device)
     reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
@@ -194,7 +204,7 @@ def one_step_variant(args: argparse.Namespace, device: torch.device) -> dict[str
 
 def capacity_trial(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """bf16 matrices, remainder masters, real forward/backward through the chain, host capped, 2 steps."""
-    torch.empty(1, device=device)
+    warm_up(device)
     base = rss()["VmRSS"]
     params = make_matrices(args.capacity_params, args.dim, torch.bfloat16, device)
     inner = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")

@@ -5,7 +5,7 @@ nothing else: no edit to the pipeline, the placement or the wrapper."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -30,7 +30,7 @@ class SlowMemoryStore(BouncedStore):
     def homes_of(self, index: int) -> torch.Tensor:
         return self.memory[index]
 
-    def read_into(self, index: int, out: torch.Tensor) -> None:
+    def read_into(self, index: int, out: torch.Tensor, progress: Callable[[int], None]) -> None:
         time.sleep(self.delay)
         out.copy_(self.memory[index])
         self.reads += 1

@@ -511,12 +511,12 @@ def test_a_read_interrupted_by_ctrl_c_is_waited_for_before_its_bounce_is_used_ag
     log: list[tuple[bool, int, float, float]] = []  # (stalled, bounce address, start, end) of each read
     stall = {"armed": True}
 
-    def slow_read(path: Path, out: torch.Tensor) -> None:
+    def slow_read(path: Path, out: torch.Tensor, progress: Any = None) -> None:
         start, stalled = time.monotonic(), stall.pop("armed", False)
         if stalled:  # the first read: stalled, and Ctrl-C 0.3 s into the stall
             threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
             time.sleep(1.0)
-        original(path, out)
+        original(path, out, progress)
         log.append((stalled, out.data_ptr(), start, time.monotonic()))
 
     monkeypatch.setattr(disk_module, "read_file_into", slow_read)

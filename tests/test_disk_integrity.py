@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import chunked_offload.disk as disk_module
+import chunked_offload.disk_io as disk_io_module
 import chunked_offload.spill as spill_module
 from chunked_offload.bounced import ChunkIntegrityError
 from chunked_offload.planner import Home
@@ -205,3 +206,19 @@ def test_a_store_behind_the_host_is_the_planners_disk_home(tmp_path: Path) -> No
     _, opt = disk_run(tmp_path)
     stores = internals(opt).placement.layout.stores
     assert set(stores) == {Home.HOST, Home.DEVICE, Home.DISK}
+
+
+def test_the_sum_of_a_read_in_pieces_is_the_sum_of_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each piece's sum runs beside the next piece's read: with pieces of 512 bytes, a step is still bitwise and a flipped
+    byte in the last piece is still found."""
+    monkeypatch.setattr(disk_io_module, "PIECE", 512)
+    plain = build("plain")
+    model, opt = disk_run(tmp_path, share=1.0)
+    train(*plain, range(3))
+    train(model, opt, range(3))
+    assert_same(plain[0], model)
+    index, path = chunk_file(opt, tmp_path, position=0)
+    assert path.stat().st_size > 3 * 512, path.stat().st_size
+    flip_a_byte(path, offset=path.stat().st_size - 1)
+    with pytest.raises(ChunkIntegrityError, match=f"chunk {index}"):
+        train(model, opt, range(3, 4))

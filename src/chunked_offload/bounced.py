@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -31,9 +31,10 @@ class ChunkIntegrityError(RuntimeError):
     """A chunk's stored bytes are not what the wrapper wrote."""
 
 
-def checksum(data: torch.Tensor) -> int:
-    """CRC-32 of the bytes of the uint8 CPU tensor ``data`` (zlib lets other threads run meanwhile)."""
-    return zlib.crc32(memoryview(data.numpy()).cast("B")) if data.numel() else 0  # type: ignore[arg-type]
+def checksum(data: torch.Tensor, value: int = 0) -> int:
+    """CRC-32 of the bytes of the uint8 CPU tensor ``data``, continuing from ``value`` (zlib lets other threads run
+    meanwhile)."""
+    return zlib.crc32(memoryview(data.numpy()).cast("B"), value) if data.numel() else value  # type: ignore[arg-type]
 
 
 class _Bounce:
@@ -76,14 +77,16 @@ class BouncedStore:
         self.failed: dict[int, str] = {}
         self._bounces = [_Bounce(bounce_nbytes, pin) for _ in range(bounces)]
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="chunked_offload-store")
-        self._summer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chunked_offload-sum")  # of writes
+        self._summer = ThreadPoolExecutor(max_workers=3, thread_name_prefix="chunked_offload-sum")  # beside the I/O
         self._expected: list[int] = []  # chunks a step will stage, in order, not yet read
 
     # ------------------------------------------------------------------ the backend
     def homes_of(self, index: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def read_into(self, index: int, out: torch.Tensor) -> None:
+    def read_into(self, index: int, out: torch.Tensor, progress: Callable[[int], None]) -> None:
+        """On a reader thread: chunk ``index``'s bytes into ``out``; ``progress(n)`` whenever the first ``n`` are in
+        (optional: the sum of what is in runs on another thread meanwhile)."""
         raise NotImplementedError
 
     def write_from(self, index: int, bounce: torch.Tensor, nbytes: int) -> torch.Tensor | None:
@@ -180,12 +183,22 @@ class BouncedStore:
         bounce.read = self._pool.submit(self._verified_read, index, out, expected)
 
     def _verified_read(self, index: int, out: torch.Tensor, expected: int | None) -> tuple[float, int]:
-        """On a reader thread: read chunk ``index`` into ``out`` and check its sum; (seconds, sum)."""
+        """On a reader thread: read chunk ``index`` into ``out`` and check its sum; (seconds, sum). Each piece's sum
+        runs on another thread while the next piece is read."""
         start = time.perf_counter()
+        summed, crc, pending = 0, 0, None
+
+        def progress(upto: int) -> None:
+            nonlocal summed, crc, pending
+            if pending is not None:
+                crc = pending.result()
+            pending, summed = self._summer.submit(checksum, out[summed:upto], crc), upto
+
         if out.numel():
-            self.read_into(index, out)
+            self.read_into(index, out, progress)
         seconds = time.perf_counter() - start
-        crc = checksum(out)
+        crc = pending.result() if pending is not None else crc
+        crc = checksum(out[summed:], crc)
         if expected is not None and crc != expected:
             raise ChunkIntegrityError(
                 f"{self.where(index)} do not hold what the wrapper wrote there (CRC-32 {crc:#010x}, written "

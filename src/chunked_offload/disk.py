@@ -10,7 +10,7 @@ import os
 import resource
 import shutil
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -152,8 +152,8 @@ class DiskStore(BouncedStore):
             mapped.flush()
             mapped.madvise(mmap.MADV_DONTNEED)
 
-    def read_into(self, index: int, out: torch.Tensor) -> None:
-        read_file_into(self.path(index), out)
+    def read_into(self, index: int, out: torch.Tensor, progress: Callable[[int], None]) -> None:
+        read_file_into(self.path(index), out, progress)
 
     def end_step(self) -> None:
         """The step is over: every bounce is free, and no spare is kept."""

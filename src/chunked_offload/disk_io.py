@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -12,19 +13,25 @@ import torch
 from .planner import PAGE
 from .specs import whole_pages
 
-__all__ = ["ALIGN", "drop_cache", "read_file_into", "replace_file", "write_new_file"]
+__all__ = ["ALIGN", "PIECE", "drop_cache", "read_file_into", "replace_file", "write_new_file"]
 
 
-def read_file_into(path: Path, out: torch.Tensor) -> None:
-    """Read the whole file ``path`` into the uint8 tensor ``out``."""
+PIECE = 32 * 2**20  # a read reports its progress every PIECE bytes (the checksum of a piece runs under the next read)
+
+
+def read_file_into(path: Path, out: torch.Tensor, progress: Callable[[int], None] | None = None) -> None:
+    """Read the whole file ``path`` into the uint8 tensor ``out``; ``progress(n)`` after each piece: the first ``n``
+    bytes are in."""
     view = memoryview(out.numpy()).cast("B")  # type: ignore[arg-type]
     with open(path, "rb", buffering=0) as f:
         done = 0
         while done < len(view):
-            n = f.readinto(view[done:])
+            n = f.readinto(view[done : done + PIECE])
             if not n:
                 raise OSError(f"{path}: the file ends after {done} of {len(view)} bytes")
             done += n
+            if progress is not None:
+                progress(done)
         drop_cache(f.fileno())
 
 
