@@ -19,6 +19,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# torchtitan 0.3 for tests/test_torchtitan.py, without its data, logging and checkpoint dependencies: last, so
 	# that no later install reports them missing.
 	$(PY) -m pip install -q --no-deps "torchtitan==0.3.0"
+	# megatron-core 0.19.2 for tests/test_megatron.py: only a cp312 wheel is published (Requires-Python >= 3.12), and
+	# its Python code runs on 3.11, so the wheel is unpacked into the venv; its one extension (the dataset helpers)
+	# is not used. Without its dependencies: torch, numpy and packaging are here already.
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 "megatron-core==0.19.2" -d $(VENV)/wheels
+	$(PY) -m zipfile -e $(VENV)/wheels/megatron_core-0.19.2-*.whl "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 	touch $@
 
 # The docs build strictly, then the whole suite on every core (pytest-xdist). pytest exits 5 when every collected test

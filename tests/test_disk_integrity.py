@@ -209,8 +209,8 @@ def test_a_store_behind_the_host_is_the_planners_disk_home(tmp_path: Path) -> No
 
 
 def test_the_sum_of_a_read_in_pieces_is_the_sum_of_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each piece's sum runs beside the next piece's read: with pieces of 512 bytes, a step is still bitwise and a flipped
-    byte in the last piece is still found."""
+    """Each piece's sum runs beside the next piece's read: with pieces of 512 bytes, a step is still bitwise and a
+    flipped byte in the last piece is still found."""
     monkeypatch.setattr(disk_io_module, "PIECE", 512)
     plain = build("plain")
     model, opt = disk_run(tmp_path, share=1.0)

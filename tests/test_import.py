@@ -1,5 +1,6 @@
 """``import chunked_offload`` costs little over ``import torch`` and imports neither dynamo nor torch.distributed:
-both come in when a wrapper is built or FSDP2 is used ([Note: Opaque to dynamo])."""
+both come in when a wrapper is built or FSDP2 is used ([Note: Opaque to dynamo]). Nor Megatron, even with its
+integration module imported: it comes in when ``wrap_megatron_optimizer`` runs."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import torch
 after_torch = time.perf_counter()
 before = set(sys.modules)
 import chunked_offload
+import chunked_offload.integrations.megatron
 done = time.perf_counter()
-new = sorted(m for m in set(sys.modules) - before if m.startswith(("torch._dynamo", "torch.distributed", "triton")))
+prefixes = ("torch._dynamo", "torch.distributed", "triton", "megatron")
+new = sorted(m for m in set(sys.modules) - before if m.startswith(prefixes))
 print(json.dumps({"seconds": done - after_torch, "new": new}))
 """
 

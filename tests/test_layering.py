@@ -73,6 +73,8 @@ ORDER = [
     "inner_view",
     "optimizer",
     "torchtitan",
+    "integrations.megatron",
+    "integrations",
     "",  # the package's __init__
     "__main__",
 ]
@@ -142,9 +144,13 @@ def _private_definitions(module: str) -> set[str]:
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             names.add(node.target.id)
     # torch.optim.Optimizer's own attributes (its hook tables ``_optimizer_step_pre_hooks``..., what GradScaler reads)
-    # are torch's protocol, not ours.
-    torch_protocol = {"_step_supports_amp_scaling", "_warned_capturable_if_run_uncaptured", "_patch_step_function"}
-    return {n for n in names if _is_private(n) and not n.startswith("_optimizer_") and n not in torch_protocol}
+    # are torch's protocol, not ours; so are the DistributedOptimizer methods integrations/megatron.py replaces.
+    foreign = {"_step_supports_amp_scaling", "_warned_capturable_if_run_uncaptured", "_patch_step_function"}
+    foreign |= {
+        "_copy_model_grads_to_main_grads", "_get_main_param_and_optimizer_states",
+        "_set_main_param_and_optimizer_states", "_init_optimizer_states_with_dummy_values",
+    }  # fmt: skip
+    return {n for n in names if _is_private(n) and not n.startswith("_optimizer_") and n not in foreign}
 
 
 def test_every_module_is_in_the_layer_order() -> None:
@@ -269,6 +275,7 @@ FOREIGN_PRIVATE = {
     "_dynamo", "_forward_hooks", "_forward_pre_hooks", "_load_state_dict_pre_hooks", "_state_dict_pre_hooks",
     "_step_supports_amp_scaling", "_sleep", "_scales", "_reset_state", "_fused_adamw_",
     "_exit", "_exitfunc",  # a forked child's exit: os._exit, and the finalizers weakref.finalize runs at exit
+    "_get_main_param_and_optimizer_states",  # Megatron's checkpoint form of a shard (tests/megatron_cases.py)
 }  # fmt: skip
 
 

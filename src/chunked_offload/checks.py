@@ -248,7 +248,8 @@ def check_grads(infos: Sequence[ParamInfo], adapter: Adapter) -> None:
                 f"{where} has a {grad.layout} gradient; chunked offload stages dense state only. Use dense "
                 "gradients (e.g. nn.Embedding(sparse=False))"
             )
-        if grad.shape != p.shape or grad.dtype != p.dtype or grad.device != p.device:
+        dtype_fits = grad.dtype == p.dtype or (info.has_master and grad.dtype == torch.float32)  # fp32: exact
+        if grad.shape != p.shape or not dtype_fits or grad.device != p.device:
             raise RuntimeError(
                 f"{where} has a grad of shape {tuple(grad.shape)}, dtype {grad.dtype} on {grad.device}; a grad "
                 "must match its param (was the param resized or converted after backward?). Zero the grads "

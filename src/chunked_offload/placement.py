@@ -274,6 +274,11 @@ class Placement:
             if info.has_master:
                 yield info.param, self.read_master(info)
 
+    def info_of(self, param: torch.Tensor) -> ParamInfo | None:
+        """The info of one of the wrapper's params (by identity), or None."""
+        index = self.binding.index_by_id.get(id(param))
+        return None if index is None or self.infos[index].param is not param else self.infos[index]
+
     def read_master(self, info: ParamInfo) -> torch.Tensor:
         """A param's master (of its local shard, for a DTensor param) as the next step will use it."""
         return read_master(self.require().homes[info.index], local(info.param), self.mode)

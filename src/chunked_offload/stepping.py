@@ -167,7 +167,7 @@ class ChunkStepper:
         if back_up:
             txn.backups = [(info.param, views[info.index][BACKUP]) for info in stepped]
         if mastered:
-            swap_in_masters(mastered, txn.swaps)
+            swap_in_masters(mastered, txn.swaps, self.adapter.grad_of)
         return stepped
 
     def _complete(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +35,7 @@ class MasterSwap:
 
     param: torch.Tensor
     data: torch.Tensor
-    grad: torch.Tensor
+    grad: torch.Tensor | None  # the param's own .grad, put back after the step
     views: dict[str, torch.Tensor]
     parts: Any = None  # what a DTensor param shows besides ``.data`` (``layout.show``)
     active: bool = True
@@ -51,16 +51,21 @@ def undo_swap(swap: MasterSwap) -> None:
         swap.active = False
 
 
-def swap_in_masters(mastered: Sequence[tuple[ParamInfo, dict[str, torch.Tensor]]], swaps: list[MasterSwap]) -> None:
-    """Cast the grads to fp32, then show each master and its fp32 grad as the param's data and grad."""
-    grads = [info.param.grad for info, _ in mastered if info.param.grad is not None]
+def swap_in_masters(
+    mastered: Sequence[tuple[ParamInfo, dict[str, torch.Tensor]]],
+    swaps: list[MasterSwap],
+    grad_of: Callable[[torch.Tensor], torch.Tensor | None],
+) -> None:
+    """Cast the grads (``grad_of``: the adapter's rule; fp32 already where an integration keeps them so) to fp32,
+    then show each master and its fp32 grad as the param's data and grad."""
+    grads = [g for info, _ in mastered if (g := grad_of(info.param)) is not None]
     if len(grads) < len(mastered):
-        index = next(info.index for info, _ in mastered if info.param.grad is None)
+        index = next(info.index for info, _ in mastered if grad_of(info.param) is None)
         raise RuntimeError(f"param {index} has no grad; it should not have been swapped to its master")
     torch._foreach_copy_([v[GRAD32] for _, v in mastered], [local(g) for g in grads])
-    for (info, views), grad in zip(mastered, grads, strict=True):
+    for info, views in mastered:
         p = info.param
-        swap = MasterSwap(p, p.data, grad, views)
+        swap = MasterSwap(p, p.data, p.grad, views)
         p.grad = None
         swap.parts = show(p, like_param(views[MASTER], p))  # a DTensor param: a DTensor over the master
         p.grad = like_param(views[GRAD32], p)

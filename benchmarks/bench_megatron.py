@@ -1,0 +1,232 @@
+"""Megatron-Core: its GPTModel under its DDP and DistributedOptimizer, resident against ``wrap_megatron_optimizer`` and
+Megatron's own offloads.
+
+Question: inside Megatron's own training step, what does keeping the fp32 mains and the moments in host memory
+cost, against what Megatron offers (``HybridDeviceOptimizer``, ``offload_to_cpu()``)?
+
+Workload: megatron-core's ``GPTModel`` with the local layer spec (no Transformer Engine), bf16, ``--layers`` x
+``--hidden`` (0.96 B params at 16 x 2048), Megatron's DDP with ``use_distributed_optimizer=True`` and fp32 grad
+reduction, ``get_megatron_optimizer`` (Adam, clip 1.0), world size 1, ``--micro-batches`` of ``--micro-batch`` x
+``--seq`` through ``forward_backward_no_pipelining``. Variants, each on a fresh model from the same seed:
+    resident          Megatron as it is (run twice: the control)
+    wrapped           wrap_megatron_optimizer(optimizer): mains and moments in host memory
+    wrapped-auto      the same with gpu_budget_mb="auto" (what the GPU has room for stays resident)
+    hybrid            Megatron's HybridDeviceOptimizer (optimizer_cpu_offload, fraction 1.0, precision-aware): CPU step
+    offload-restore   Megatron's offload_to_cpu() / restore_from_cpu() around each step
+Every variant runs ``--iters`` iterations in deterministic mode; its losses, params, fp32 mains and moments at the
+end are compared bitwise with the resident run's. Reported: s/iter (median of the iterations after ``--warmup``),
+the share of resident iterations/s kept, the peak GPU memory, and whether it is bitwise.
+
+Commands:
+    PYTHONPATH=src:tests:benchmarks python3 benchmarks/bench_megatron.py          # GPU: 0.96 B; CPU: a tiny model
+megatron-core 0.19.2 on the GPU: its wheel in .whl/ (``pip download --no-deps megatron-core==0.19.2``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import device_name, git_sha  # noqa: E402  (it puts src/ and tests/ on the path)
+
+VARIANTS = ("resident", "wrapped", "wrapped-auto", "hybrid", "offload-restore")
+
+
+def build(variant: str, args: argparse.Namespace) -> tuple[Any, Any]:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+
+    from chunked_offload.integrations.megatron import wrap_megatron_optimizer
+
+    torch.manual_seed(0)
+    if args.device.type == "cuda":
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(0)
+    heads = max(1, args.hidden // 128)
+    config = TransformerConfig(
+        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=heads, bf16=True,
+        params_dtype=torch.bfloat16, deterministic_mode=True, use_cpu_initialization=args.device.type == "cpu",
+    )  # fmt: skip
+    from megatron.core.transformer.module import Float16Module
+
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=args.vocab, max_sequence_length=args.seq)
+    model = Float16Module(config, model.to(args.device))  # as Megatron's get_model wraps it for bf16
+    ddp = DistributedDataParallel(
+        config, DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True), model
+    )
+    options: dict[str, Any] = {}
+    if variant == "hybrid":
+        options = {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0}
+        options |= {"use_precision_aware_optimizer": True, "main_params_dtype": torch.float32}
+    cfg = OptimizerConfig(
+        optimizer="adam", lr=1e-4, weight_decay=0.1, bf16=True, clip_grad=1.0, use_distributed_optimizer=True,
+        **options,
+    )  # fmt: skip
+    opt = get_megatron_optimizer(cfg, [ddp])
+    if variant.startswith("wrapped"):
+        wrap = {"gpu_budget_mb": "auto"} if variant == "wrapped-auto" else {}
+        wrap_megatron_optimizer(opt, chunk_size_mb=args.chunk_mb, **wrap)
+    return ddp, opt
+
+
+def iteration(ddp: Any, opt: Any, it: int, args: argparse.Namespace) -> float:
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    gen = torch.Generator(device=args.device).manual_seed(it)
+    batches = iter(
+        torch.randint(0, args.vocab, (args.micro_batch, args.seq + 1), generator=gen, device=args.device)
+        for _ in range(args.micro_batches)
+    )
+    position = torch.arange(args.seq, device=args.device).unsqueeze(0).expand(args.micro_batch, -1)
+
+    def forward_step(data: Any, model: Any) -> Any:
+        tokens = next(data)
+        output = model(tokens[:, :-1], position, None, labels=tokens[:, 1:])
+
+        def loss(out: torch.Tensor) -> Any:
+            value = out.float().mean()
+            return value, {"loss": value.detach()}
+
+        return output, loss
+
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    losses = forward_backward_no_pipelining(
+        forward_step_func=forward_step, data_iterator=batches, model=[ddp], num_microbatches=args.micro_batches,
+        seq_length=args.seq, micro_batch_size=args.micro_batch,
+    )  # fmt: skip
+    opt.step()
+    return float(sum(entry["loss"] for entry in losses))
+
+
+def snapshot(ddp: Any, opt: Any) -> list[torch.Tensor]:
+    """The params, and each shard's fp32 main param and moments in Megatron's checkpoint form (on the host)."""
+    out = [p.detach().cpu() for p in ddp.parameters()]
+    for d in getattr(opt, "chained_optimizers", [opt]):
+        for group in (*d.model_float16_groups, *d.model_fp32_groups):
+            for model_param in group:
+                tensors = d._get_main_param_and_optimizer_states(model_param)
+                out += [tensors[k].detach().float().cpu() for k in sorted(tensors) if k != "step"]
+    return out
+
+
+def run(variant: str, args: argparse.Namespace) -> dict[str, Any]:
+    ddp, opt = build(variant, args)
+    synchronize(args.device)
+    if args.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    losses, seconds = [], []
+    for it in range(args.iters):
+        start = time.perf_counter()
+        losses.append(iteration(ddp, opt, it, args))
+        if variant == "offload-restore":
+            opt.offload_to_cpu()
+            opt.restore_from_cpu()
+        synchronize(args.device)
+        seconds.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() if args.device.type == "cuda" else 0
+    result = {"losses": losses, "s": statistics.median(seconds[args.warmup :]), "peak": peak}
+    try:
+        result["snapshot"] = snapshot(ddp, opt)
+    except Exception as e:  # HybridDeviceOptimizer keeps another form
+        result["snapshot"] = None
+        result["why"] = f"{type(e).__name__}: {e}"
+    del ddp, opt
+    gc.collect()
+    if args.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> str:
+    if a["snapshot"] is None or b["snapshot"] is None:
+        return "n/a"
+    if len(a["snapshot"]) != len(b["snapshot"]):
+        return "NO"
+    pairs = zip(a["snapshot"], b["snapshot"], strict=True)
+    return "yes" if a["losses"] == b["losses"] and all(torch.equal(x, y) for x, y in pairs) else "NO"
+
+
+def main() -> int:
+    gpu = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=16 if gpu else 2)
+    parser.add_argument("--hidden", type=int, default=2048 if gpu else 64)
+    parser.add_argument("--vocab", type=int, default=32000 if gpu else 512)
+    parser.add_argument("--seq", type=int, default=2048 if gpu else 32)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--micro-batches", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--chunk-mb", type=float, default=1024.0 if gpu else 1.0)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    args = parser.parse_args()
+    args.device = torch.device("cuda" if gpu else "cpu")
+    variants = ["resident", "resident", *[v for v in args.variants.split(",") if v and v != "resident"]]
+    if not gpu:  # HybridDeviceOptimizer maps CPU copies to GPU params: nothing to map on the CPU
+        variants = [v for v in variants if v != "hybrid"]
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    stack = contextlib.ExitStack()
+    if not gpu:  # Megatron has no CPU path: the tests' stand-in for CUDA
+        from megatron_cases import cuda_on_cpu
+
+        stack.enter_context(cuda_on_cpu())
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # torch's CPU generator instead
+    with stack:
+        torch.distributed.init_process_group("nccl" if gpu else "gloo", rank=0, world_size=1)
+        from megatron.core import parallel_state
+
+        parallel_state.initialize_model_parallel()
+        params = sum(p.numel() for p in build("resident", args)[0].parameters())
+        print(
+            f"{device_name(args.device)}, torch {torch.__version__}, commit {git_sha()}: GPTModel {params / 1e9:.3f} B "
+            f"params ({args.layers} layers, hidden {args.hidden}), {args.micro_batches} x {args.micro_batch} x "
+            f"{args.seq} tokens, chunk {args.chunk_mb:g} MB"
+        )
+        results = []
+        for v in variants:
+            results.append((v, run(v, args)))
+            print(f"  ran {v}: {results[-1][1]['s']:.4f} s/iter", flush=True)
+    base, control = results[0][1], results[1][1]
+    print(f"control: resident against itself: {'bitwise' if same(base, control) == 'yes' else 'DIFFERS'}")
+    print(f"{'variant':16s} {'s/iter':>8s} {'kept':>7s} {'peak GiB':>9s} {'bitwise':>8s}")
+    ok = True
+    for k, (v, r) in enumerate(results[1:]):
+        v = "control" if k == 0 else v
+        bitwise = same(base, r)
+        ok = ok and (bitwise != "NO" or v == "hybrid")
+        print(f"{v:16s} {r['s']:8.4f} {base['s'] / r['s']:7.1%} {r['peak'] / 2**30:9.2f} {bitwise:>8s}"
+              + (f"  ({r['why']})" if "why" in r else ""))  # fmt: skip
+    print(f"{'resident':16s} {base['s']:8.4f} {1:7.1%} {base['peak'] / 2**30:9.2f}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

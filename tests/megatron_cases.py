@@ -1,0 +1,251 @@
+"""Worker functions for tests/test_megatron.py, run in spawned processes (one per rank): Megatron-Core's own DDP and
+DistributedOptimizer on gloo, resident against ``wrap_megatron_optimizer``.
+
+Megatron has no CPU training path: ``cuda_on_cpu`` (test-only) stands in where it insists on CUDA. It answers
+``torch.cuda.current_device()`` with the CPU, gives no-op streams and events, maps ``device="cuda"`` and ``.cuda()``
+to the CPU, and names CPU tensors as ``torch.cuda.*Tensor`` where Megatron checks a param's ``type()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+
+class _Stream:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, *args: Any) -> None:
+        pass
+
+    def wait_event(self, *args: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, *args: Any) -> _Event:
+        return _Event()
+
+
+class _Event:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, *args: Any) -> None:
+        pass
+
+    def wait(self, *args: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def _cpu(device: Any) -> Any:
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    if isinstance(device, str) and device.startswith("cuda"):
+        return "cpu"
+    return device
+
+
+class _CudaOnCpu(TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _cpu(kwargs["device"])
+        name = getattr(func, "__name__", "")
+        if name == "cuda":
+            return args[0]
+        if name == "type" and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if name == "to":
+            args = tuple(_cpu(a) for a in args)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_on_cpu() -> Iterator[None]:
+    """Megatron's CUDA calls answered on the CPU, in this process, until the block ends."""
+    names = ("current_device", "current_stream", "default_stream", "Stream", "Event", "synchronize", "stream")
+    saved = {n: getattr(torch.cuda, n) for n in names}
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    torch.cuda.current_stream = lambda *a, **k: _Stream()  # type: ignore[assignment]
+    torch.cuda.default_stream = lambda *a, **k: _Stream()  # type: ignore[assignment]
+    torch.cuda.Stream = _Stream  # type: ignore[assignment,misc]
+    torch.cuda.Event = _Event  # type: ignore[assignment,misc]
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.stream = lambda s: contextlib.nullcontext()  # type: ignore[assignment]
+    try:
+        with _CudaOnCpu():
+            yield
+    finally:
+        for n, v in saved.items():
+            setattr(torch.cuda, n, v)
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel()
+
+
+def _config(**overrides: Any) -> Any:
+    from megatron.core.optimizer import OptimizerConfig
+
+    options = {"optimizer": "adam", "lr": 1e-2, "weight_decay": 0.1, "bf16": True, "clip_grad": 0.1}
+    return OptimizerConfig(**{**options, **overrides, "use_distributed_optimizer": True})
+
+
+def build(wrap: bool, *, grad_reduce_in_fp32: bool = True, **overrides: Any) -> tuple[Any, Any, Any]:
+    """A small bf16 Megatron module under Megatron's DDP, its ``get_megatron_optimizer``, wrapped or not."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.transformer import MegatronModule, TransformerConfig
+
+    from chunked_offload.integrations.megatron import wrap_megatron_optimizer
+
+    fp16 = bool(overrides.get("fp16"))
+    dtype = torch.float16 if fp16 else torch.bfloat16
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, bf16=not fp16, fp16=fp16)
+
+    class Net(MegatronModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__(config)
+            self.a = torch.nn.Linear(16, 40, dtype=dtype)
+            self.b = torch.nn.Linear(40, 16, dtype=dtype)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.tanh(self.a(x)))
+
+    torch.manual_seed(0)
+    net = Net()
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=grad_reduce_in_fp32)
+    ddp = DistributedDataParallel(config, ddp_config, net)
+    opt = get_megatron_optimizer(_config(**overrides), [ddp])
+    if wrap:
+        wrap_megatron_optimizer(opt, chunk_size_mb=0.001)
+    return net, ddp, opt
+
+
+def step(ddp: Any, opt: Any, it: int, rank: int = 0) -> tuple[float, Any]:
+    dtype = next(ddp.parameters()).dtype
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(100 * it + rank), dtype=dtype)
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    loss = ddp(x).float().square().mean()
+    scaled = loss * opt.get_loss_scale() if opt.get_loss_scale() is not None else loss
+    scaled.backward()
+    ddp.finish_grad_sync()
+    ok, norm, _ = opt.step()
+    return loss.item(), (ok, norm)
+
+
+def snapshot(net: Any, opt: Any) -> list[torch.Tensor]:
+    """The params, and each shard's fp32 main param and state in Megatron's checkpoint form."""
+    out = [p.detach().clone() for p in net.parameters()]
+    for d in opt.chained_optimizers:
+        for group in (*d.model_float16_groups, *d.model_fp32_groups):
+            for model_param in group:
+                tensors = d._get_main_param_and_optimizer_states(model_param)
+                out += [tensors[k].detach().clone() for k in sorted(tensors)]
+    return out
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def parity(rank: int, world: int, port: int, backend: str, steps: int, overrides: dict[str, Any], result: Any) -> None:
+    """Losses, grad norms, params, mains and moments of a wrapped run equal the resident run's, bitwise."""
+    with cuda_on_cpu():
+        _init(rank, world, port)
+        runs = []
+        for wrap in (False, True):
+            net, ddp, opt = build(wrap, **overrides)
+            trace = [step(ddp, opt, it, rank) for it in range(steps)]
+            runs.append((trace, snapshot(net, opt)))
+        (trace_a, snap_a), (trace_b, snap_b) = runs
+        result[rank] = (trace_a == trace_b and same(snap_a, snap_b), trace_b)
+
+
+def resume(rank: int, world: int, port: int, backend: str, result: Any) -> None:
+    """A wrapped run saved with dist-checkpointing (torch_dist) after 2 steps and loaded into a new wrapped run
+    continues bitwise as the run that was not interrupted (4 steps)."""
+    from megatron.core import dist_checkpointing
+
+    with cuda_on_cpu():
+        _init(rank, world, port)
+        net, ddp, opt = build(True)
+        trace = [step(ddp, opt, it, rank) for it in range(4)]
+        straight = snapshot(net, opt)
+        net, ddp, opt = build(True)
+        for it in range(2):
+            step(ddp, opt, it, rank)
+        directory = [tempfile.mkdtemp() if rank == 0 else None]
+        dist.broadcast_object_list(directory)
+        metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
+        dist_checkpointing.save({"optimizer": opt.sharded_state_dict({}, metadata=metadata)}, directory[0])
+        model_state = net.state_dict()
+        net, ddp, opt = build(True)
+        step(ddp, opt, 99, rank)  # Megatron without TE or Apex loads into existing state only
+        net.load_state_dict(model_state)
+        template = {"optimizer": opt.sharded_state_dict({}, is_loading=True, metadata=metadata)}
+        opt.load_state_dict(dist_checkpointing.load(template, directory[0])["optimizer"])
+        resumed = [step(ddp, opt, it, rank) for it in range(2, 4)]
+        result[rank] = resumed == trace[2:] and same(straight, snapshot(net, opt))
+
+
+def rl_offload(rank: int, world: int, port: int, backend: str, result: Any) -> None:
+    """``offload_to_cpu()`` / ``restore_from_cpu()`` between steps (the RL path) keep a wrapped run bitwise."""
+    with cuda_on_cpu():
+        _init(rank, world, port)
+        snaps = []
+        for wrap in (False, True):
+            net, ddp, opt = build(wrap)
+            for it in range(3):
+                step(ddp, opt, it, rank)
+                opt.offload_to_cpu()
+                opt.restore_from_cpu()
+            snaps.append(snapshot(net, opt))
+        result[rank] = same(*snaps)
+
+
+def refusals(rank: int, world: int, port: int, backend: str, result: Any) -> None:
+    """What cannot be wrapped is refused before anything is modified, with what to do instead."""
+    from chunked_offload.integrations.megatron import wrap_megatron_optimizer
+
+    messages = {}
+    with cuda_on_cpu():
+        _init(rank, world, port)
+        cases = {
+            "overlap": (lambda: build(False), {"overlap": True}),
+            "masters": (lambda: build(False), {"master_weights": "none"}),
+            "bf16 grads": (lambda: build(False, grad_reduce_in_fp32=False), {}),
+            "wrapped": (lambda: build(True), {}),
+        }
+        for name, (make, options) in cases.items():
+            opt = make()[2]
+            before = [id(d.optimizer) for d in opt.chained_optimizers]
+            try:
+                wrap_megatron_optimizer(opt, **options)
+            except (TypeError, ValueError) as e:
+                unchanged = before == [id(d.optimizer) for d in opt.chained_optimizers]
+                messages[name] = (str(e), unchanged)
+            else:
+                messages[name] = ("", False)
+        result[rank] = messages
