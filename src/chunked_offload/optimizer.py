@@ -310,20 +310,23 @@ class ChunkedOffloadOptimizer(InnerView):
         """
         return self._runner.move_resident(False, non_blocking)
 
+    def master_of(self, param: torch.Tensor) -> torch.Tensor:
+        """``param``'s wrapper-owned fp32 master, as :meth:`master_params` yields it (read-only)."""
+        return self._placement.read_master(self._master_info(param, "master_of"))
+
     def set_master(self, param: torch.Tensor, master: torch.Tensor) -> None:
         """Set ``param``'s wrapper-owned fp32 master to ``master`` (and ``param`` to its rounding), as a checkpoint's
-        master does: for frameworks that keep their own fp32 copies (Megatron-Core's main params).
+        master does: for frameworks that keep their own fp32 copies (Megatron-Core's main params)."""
+        self._placement.write_master(self._master_info(param, "set_master"), master)
 
-        Raises:
-            ValueError: ``param`` is not one of this wrapper's params with a wrapper-owned master.
-        """
-        self._waits.between_steps("opt.set_master()")
+    def _master_info(self, param: torch.Tensor, name: str) -> Any:
+        self._waits.between_steps(f"opt.{name}()")
         self._runner.synchronize()
         self._runner.sync()
         info = self._placement.info_of(param)
         if info is None or not info.has_master:
-            raise ValueError("set_master() takes a param of this wrapper that has a wrapper-owned master")
-        self._placement.write_master(info, master)
+            raise ValueError(f"{name}() takes a param of this wrapper that has a wrapper-owned master")
+        return info
 
     def master_params(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Yield ``(param, fp32 master)`` for every param with a wrapper-owned master.

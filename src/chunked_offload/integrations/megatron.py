@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import types
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -156,15 +155,10 @@ def _shard(d: Any, model_param: torch.Tensor) -> torch.Tensor:
     return d.optimizer.param_groups[group_index]["params"][group_order]  # type: ignore[no-any-return]
 
 
-def _masters(d: Any) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    yield from d.optimizer.master_params()
-
-
 def _get_states(self: Any, model_param: torch.Tensor) -> dict[str, torch.Tensor]:
     """The default path's checkpoint tensors of ``model_param``'s shard: its fp32 main param and its state."""
     view = _shard(self, model_param)
-    master = next((m for p, m in _masters(self) if p is view), None)
-    tensors = {"param": master if master is not None else view}
+    tensors = {"param": view if view.dtype == torch.float32 else self.optimizer.master_of(view)}
     for key, value in self.optimizer.state[view].items():
         if isinstance(value, torch.Tensor):
             tensors[key] = value
