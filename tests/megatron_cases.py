@@ -249,3 +249,21 @@ def refusals(rank: int, world: int, port: int, backend: str, result: Any) -> Non
             else:
                 messages[name] = ("", False)
         result[rank] = messages
+
+
+def wrap_midway(rank: int, world: int, port: int, backend: str, result: Any) -> None:
+    """Wrapping after resident steps (mains no longer the params' upcast, moments on the GPU) carries them over: the
+    run continues bitwise as the resident one."""
+    from chunked_offload.integrations.megatron import wrap_megatron_optimizer
+
+    with cuda_on_cpu():
+        _init(rank, world, port)
+        runs = []
+        for wrap in (False, True):
+            net, ddp, opt = build(False)
+            trace = [step(ddp, opt, it, rank) for it in range(3)]
+            if wrap:
+                wrap_megatron_optimizer(opt, chunk_size_mb=0.001)
+            trace += [step(ddp, opt, it, rank) for it in range(3, 6)]
+            runs.append((trace, snapshot(net, opt)))
+        result[rank] = runs[0][0] == runs[1][0] and same(runs[0][1], runs[1][1])

@@ -54,3 +54,8 @@ def test_what_cannot_be_wrapped_is_refused_with_what_to_do() -> None:
         message, unchanged = messages[name]
         assert needle in message, (name, message)
         assert unchanged, f"{name}: the optimizer was modified before the refusal"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_wrapping_after_resident_steps_carries_the_mains_and_moments_over(world: int) -> None:
+    assert _spawn(megatron_cases.wrap_midway, world=world) == dict.fromkeys(range(world), True)
