@@ -111,7 +111,9 @@ def _config(**overrides: Any) -> Any:
     return OptimizerConfig(**{**options, **overrides, "use_distributed_optimizer": True})
 
 
-def build(wrap: bool, *, grad_reduce_in_fp32: bool = True, **overrides: Any) -> tuple[Any, Any, Any]:
+def build(
+    wrap: bool, *, grad_reduce_in_fp32: bool = True, overlap_param_gather: bool = False, **overrides: Any
+) -> tuple[Any, Any, Any]:
     """A small bf16 Megatron module under Megatron's DDP, its ``get_megatron_optimizer``, wrapped or not."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import get_megatron_optimizer
@@ -134,7 +136,10 @@ def build(wrap: bool, *, grad_reduce_in_fp32: bool = True, **overrides: Any) -> 
 
     torch.manual_seed(0)
     net = Net()
-    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=grad_reduce_in_fp32)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=grad_reduce_in_fp32,
+        overlap_grad_reduce=overlap_param_gather, overlap_param_gather=overlap_param_gather,
+    )  # fmt: skip
     ddp = DistributedDataParallel(config, ddp_config, net)
     opt = get_megatron_optimizer(_config(**overrides), [ddp])
     if wrap:

@@ -21,8 +21,9 @@ pytest.importorskip("megatron.core", reason="megatron-core is installed by `make
         {"clip_grad": 0.0, "weight_decay": 0.0},
         # fp16 with dynamic loss scaling from 2**24: the first steps overflow and are skipped (found inf)
         {"bf16": False, "fp16": True, "initial_loss_scale": 2.0**24, "min_loss_scale": 1.0, "hysteresis": 1},
+        {"overlap_param_gather": True},  # Megatron all-gathers each bucket's params in the next forward
     ],
-    ids=["adam-clip", "adam-plain", "fp16-found-inf"],
+    ids=["adam-clip", "adam-plain", "fp16-found-inf", "overlap-param-gather"],
 )
 def test_a_wrapped_distributed_optimizer_is_bitwise_with_megatrons_resident_one(world: int, case: dict) -> None:
     result = _spawn(megatron_cases.parity, 6, case, world=world)
