@@ -19,35 +19,19 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 
-class _Stream:
+class _Inert:
+    """A CUDA stream or event on the CPU: every wait, record and synchronize is done already."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass
 
-    def wait_stream(self, *args: Any) -> None:
+    def _nothing(self, *args: Any) -> None:
         pass
 
-    def wait_event(self, *args: Any) -> None:
-        pass
+    wait_stream = wait_event = synchronize = record = wait = _nothing
 
-    def synchronize(self) -> None:
-        pass
-
-    def record_event(self, *args: Any) -> _Event:
-        return _Event()
-
-
-class _Event:
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def record(self, *args: Any) -> None:
-        pass
-
-    def wait(self, *args: Any) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
+    def record_event(self, *args: Any) -> _Inert:
+        return _Inert()
 
     def query(self) -> bool:
         return True
@@ -82,10 +66,10 @@ def cuda_on_cpu() -> Iterator[None]:
     names = ("current_device", "current_stream", "default_stream", "Stream", "Event", "synchronize", "stream")
     saved = {n: getattr(torch.cuda, n) for n in names}
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
-    torch.cuda.current_stream = lambda *a, **k: _Stream()  # type: ignore[assignment]
-    torch.cuda.default_stream = lambda *a, **k: _Stream()  # type: ignore[assignment]
-    torch.cuda.Stream = _Stream  # type: ignore[assignment,misc]
-    torch.cuda.Event = _Event  # type: ignore[assignment,misc]
+    torch.cuda.current_stream = lambda *a, **k: _Inert()  # type: ignore[assignment]
+    torch.cuda.default_stream = lambda *a, **k: _Inert()  # type: ignore[assignment]
+    torch.cuda.Stream = _Inert  # type: ignore[assignment,misc]
+    torch.cuda.Event = _Inert  # type: ignore[assignment,misc]
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.stream = lambda s: contextlib.nullcontext()  # type: ignore[assignment]
     try:

@@ -442,7 +442,7 @@ def test_the_files_pages_leave_memory_once_placed_and_stepped(tmp_path: Path) ->
     assert on_disk and all(c.transfer_nbytes >= 4 * mmap.PAGESIZE for c in on_disk)
 
     def resident() -> int:
-        return sum(_mapped_rss(internals(opt).placement.layout.stores[Home.DISK].flat(c.index)) for c in on_disk)
+        return sum(_mapped_rss(internals(opt).placement.layout.stores[Home.DISK].homes_of(c.index)) for c in on_disk)
 
     assert resident() == 0  # the seeded masters are on the disk, not in memory
     run_steps(opt, params, 2)

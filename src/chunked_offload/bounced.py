@@ -11,6 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .disk_io import ALIGN
+from .host_arena import typed_view
 from .planner import Chunk, Home, TensorSpec
 from .storage import IOStats
 
@@ -125,10 +126,7 @@ class BouncedStore:
 
     def view(self, offset: int, spec: TensorSpec) -> torch.Tensor:
         index, inner = self._locate(offset)
-        flat = self.homes_of(index)[inner : inner + spec.nbytes]
-        if spec.numel == 0:
-            return torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype)
-        return flat.view(spec.dtype).as_strided(spec.shape, spec.stride)  # shares the homes' version counter
+        return typed_view(self.homes_of(index), inner, spec)  # a view: it shares the homes' version counter
 
     def export(self, home: torch.Tensor) -> torch.Tensor:
         """``home`` on a storage of exactly its bytes (``torch.save`` writes nothing else of the chunk); writes through
@@ -151,7 +149,15 @@ class BouncedStore:
         return self.homes_of(index)._version + sum(t._version for t in self._exported[index])
 
     def check(self) -> str | None:
-        return next(iter(self.failed.values()), None)
+        return next((why for index in self.chunks if (why := self._failure(index)) is not None), None)
+
+    def _failure(self, index: int) -> str | None:
+        """Why chunk ``index`` cannot be read: an earlier failed check, or a stored generation that is not the one
+        written (a truncated file is SIGBUS to read through a map); recorded in ``failed``."""
+        why = self.failed.get(index) or self.identity_error(index)
+        if why is not None:
+            self.failed[index] = why
+        return why
 
     # ------------------------------------------------------------------ reads into the bounces
     def begin_step(self, chunks: Sequence[Chunk]) -> None:
@@ -159,8 +165,7 @@ class BouncedStore:
         then read them ahead into the free bounces."""
         self._expected = [c.index for c in chunks if c.index in self.chunks]
         for index in self._expected:
-            if (why := self.failed.get(index)) is not None or (why := self.identity_error(index)) is not None:
-                self.failed[index] = why
+            if (why := self._failure(index)) is not None:
                 self._expected = []
                 raise ChunkIntegrityError(why)
         self._read_ahead()

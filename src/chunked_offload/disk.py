@@ -114,8 +114,6 @@ class DiskStore(BouncedStore):
         """The map of chunk ``index``'s current file."""
         return self._maps[index]
 
-    flat = homes_of
-
     def identity_error(self, index: int) -> str | None:
         try:
             st = os.stat(self.path(index))
@@ -133,13 +131,6 @@ class DiskStore(BouncedStore):
             f"{self.where(index)} {found}. The chunk was not stepped; the state in this wrapper is lost: load a "
             "checkpoint into a new wrapper"
         )
-
-    def check(self) -> str | None:
-        """Why the maps cannot be read (a file that is not the one written: reading past a truncation is SIGBUS)."""
-        for index in self.chunks:
-            if index not in self.failed and (why := self.identity_error(index)) is not None:
-                self.failed[index] = why
-        return super().check()
 
     def trim(self, index: int | None = None) -> None:
         """Flush what was written into the maps (of chunk ``index``, or all) to the files and drop their pages from

@@ -276,7 +276,7 @@ class Placement:
 
     def info_of(self, param: torch.Tensor) -> ParamInfo | None:
         """The info of one of the wrapper's params (by identity), or None."""
-        index = self.binding.index_by_id.get(id(param))
+        index = self.binding.index_of(param)
         return None if index is None or self.infos[index].param is not param else self.infos[index]
 
     def read_master(self, info: ParamInfo) -> torch.Tensor:

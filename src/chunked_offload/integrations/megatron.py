@@ -122,7 +122,7 @@ def _wrap(d: Any, options: dict[str, Any]) -> None:
     adapter.grad_attr = "decoupled_grad"  # the path's fp32 grads ([Note: Megatron main params])
     wrapper = ChunkedOffloadOptimizer(inner, master_weights="fp32", adapter=adapter, **options)
     for view, main in mains.items():
-        if view in wrapper.state and wrapper.state[view] or not torch.equal(main, view.float()):
+        if (view in wrapper.state and wrapper.state[view]) or not torch.equal(main, view.float()):
             wrapper.set_master(view, main)
     d.optimizer = wrapper
     d.config = copy.copy(d.config)
@@ -131,7 +131,7 @@ def _wrap(d: Any, options: dict[str, Any]) -> None:
         for model_param in model_group:
             model_param.main_param = None
         shard_group[:] = [None] * len(shard_group)  # the GPU's fp32 mains are gone
-    d._copy_model_grads_to_main_grads = types.MethodType(_copy_grads(type(d)._copy_model_grads_to_main_grads), d)
+    d._copy_model_grads_to_main_grads = types.MethodType(_copy_grads, d)
     d._get_main_param_and_optimizer_states = types.MethodType(_get_states, d)
     d._set_main_param_and_optimizer_states = types.MethodType(_set_states, d)
     d._init_optimizer_states_with_dummy_values = types.MethodType(lambda self: None, d)  # _set_states makes them
@@ -139,15 +139,12 @@ def _wrap(d: Any, options: dict[str, Any]) -> None:
     d.restore_from_cpu = types.MethodType(lambda self: self.optimizer.reload(), d)
 
 
-def _copy_grads(original: Any) -> Any:
-    def copy_grads(self: Any) -> None:
-        """Megatron's copy of the main grads into ``decoupled_grad``; torch's inner reads ``.grad`` of fp32 shards."""
-        original(self)
-        for group in self.shard_fp32_groups:
-            for view in group:
-                view.grad = getattr(view, "decoupled_grad", None)
-
-    return copy_grads
+def _copy_grads(self: Any) -> None:
+    """Megatron's copy of the main grads into ``decoupled_grad``; torch's inner reads ``.grad`` of fp32 shards."""
+    type(self)._copy_model_grads_to_main_grads(self)
+    for group in self.shard_fp32_groups:
+        for view in group:
+            view.grad = getattr(view, "decoupled_grad", None)
 
 
 def _shard(d: Any, model_param: torch.Tensor) -> torch.Tensor:
@@ -169,6 +166,7 @@ def _set_states(self: Any, model_param: torch.Tensor, tensors: dict[str, Any]) -
     """Load the default path's checkpoint tensors of ``model_param``'s shard into the wrapper."""
     view, wrapper = _shard(self, model_param), self.optimizer
     for key, value in tensors.items():
+        # ``step`` comes from the checkpoint's param groups (Megatron's load_state_dict sets it before this runs).
         if not isinstance(value, torch.Tensor) or key == "step":
             continue
         if key == "param":
@@ -179,6 +177,6 @@ def _set_states(self: Any, model_param: torch.Tensor, tensors: dict[str, Any]) -
             continue
         entry = wrapper.state[view]
         if key in entry and entry[key].shape == value.shape and entry[key].dtype == value.dtype:
-            entry[key].copy_(value)
+            entry[key].copy_(value)  # into its home
         else:
-            entry[key] = value.detach().clone()
+            entry[key] = value.detach().clone()  # placed in a home by the next step's re-plan
