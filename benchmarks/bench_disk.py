@@ -7,7 +7,8 @@ does it come to what the disk and the link allow?
 Workloads:
     disk      the disk alone: a --probe-gib file written buffered (fsync, then the page cache dropped) and as the
               tier writes (O_DIRECT where the filesystem takes it), then read back buffered (one and two reader
-              threads, as the tier reads) and with O_DIRECT. Then the tier's pattern alone: up to 8 files of a
+              threads, as the tier reads) and with O_DIRECT, and half read while another half is written (each
+              rate, and both bytes over the wall time: whether the disk reads and writes at full speed at once). Then the tier's pattern alone: up to 8 files of a
               chunk each read, rewritten (into the blocks of the generation the previous rename replaced, as the
               tier does: [Note: Spare generation]) and renamed over it, one at a time, against the floor of those
               bytes (what the disk gives the step's files, with no GPU and no overlap).
@@ -108,9 +109,44 @@ def probe_disk(directory: Path, nbytes: int, pin: bool) -> dict[str, float]:
             timed("read O_DIRECT", lambda: _direct_read(path, aligned))
         except OSError as e:  # a filesystem without O_DIRECT (tmpfs)
             print(f"# O_DIRECT: {e}")
+        else:
+            out.update(read_and_write_at_once(directory, path, aligned))
     for p in (path, *paths):
         p.unlink(missing_ok=True)
     return out
+
+
+def read_and_write_at_once(directory: Path, path: Path, aligned: mmap.mmap) -> dict[str, float]:
+    """GB/s of each when half of ``path`` is read (O_DIRECT) while another half is written as the tier writes, on two
+    threads at once: what a step that reads chunks while it writes others can get from the disk."""
+    half = len(aligned) // 2 - len(aligned) // 2 % disk_io.ALIGN
+    into, source = memoryview(aligned)[:half], torch.frombuffer(aligned, dtype=torch.uint8)[half : 2 * half]
+    target = directory / "probe_w.bin"
+    target.unlink(missing_ok=True)
+
+    def read() -> float:
+        t0 = time.perf_counter()
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            done = 0
+            while done < half and (n := os.readv(fd, [into[done : done + 64 * MiB]])):
+                done += n
+        finally:
+            os.close(fd)
+        return half / (time.perf_counter() - t0) / 1e9
+
+    def write() -> float:
+        t0 = time.perf_counter()
+        disk_io.write_new_file(target, source)
+        return half / (time.perf_counter() - t0) / 1e9
+
+    with ThreadPoolExecutor(2) as pool:
+        t0 = time.perf_counter()
+        r, w = pool.submit(read), pool.submit(write)
+        rates = {"at once: read O_DIRECT": r.result(), "at once: write (the tier's)": w.result()}
+        rates["at once: both"] = 2 * half / (time.perf_counter() - t0) / 1e9
+    target.unlink()
+    return rates
 
 
 def tier_pattern(directory: Path, file_nbytes: int, files: int) -> tuple[float, int]:
@@ -309,14 +345,21 @@ def main() -> int:
         link_floor = max(row["h2d"], row["d2h"]) / duplex
         disk_floor = row["disk_read"] / read_bw + row["disk_written"] / write_bw
         row["direct_floor"] = max(row["disk_read"] / direct_read, row["disk_written"] / direct_write, link_floor)
+        at_once = disk.get("at once: read O_DIRECT"), disk.get("at once: write (the tier's)")
+        row["at_once_floor"] = (
+            max(row["disk_read"] / (at_once[0] * 1e9), row["disk_written"] / (at_once[1] * 1e9), link_floor)
+            if at_once[0] and at_once[1]
+            else float("nan")
+        )
         floor = max(link_floor, disk_floor)
         rows.append((share, row, floor, "disk" if disk_floor > link_floor else "link"))
         ok &= row["exact"]
     print(
         "\nfloor: the link's, or the disk's read then written bytes at the rates above; x direct: against the larger "
-        "of the bytes read over the O_DIRECT read rate and the bytes written over the tier's write rate (both at once)"
+        "of the bytes read over the O_DIRECT read rate and the bytes written over the tier's write rate (both at once); "
+        "x at once: the same with the rates the disk gave while reading and writing at once"
     )
-    print(f"{'on disk':>8} {'step s':>8} {'floor s':>8} {'x floor':>8} {'bound':>5} {'x direct':>8} {'disk GB/s':>9} "
+    print(f"{'on disk':>8} {'step s':>8} {'floor s':>8} {'x floor':>8} {'bound':>5} {'x direct':>8} {'x at once':>9} {'disk GB/s':>9} "
           f"{'exposed':>8} {'checksum':>8} {'peak RSS - base GiB':>20} {'host bound GiB':>15} "
           f"{'exact':>6}")  # fmt: skip
     for _share, row, floor, tier in rows:
@@ -326,6 +369,7 @@ def main() -> int:
         print(
             f"{row['on_disk'] / max(row['state'], 1):>8.0%} {row['step_s']:>8.3f} {floor:>8.3f} "
             f"{row['step_s'] / floor if floor else float('nan'):>8.2f} {tier:>5} {direct:>8.2f} "
+            f"{row['step_s'] / row['at_once_floor'] if row['at_once_floor'] else float('nan'):>9.2f} "
             f"{row['disk_gbps']:>9.2f} {row['disk_exposed_s']:>8.3f} {cost:>8} {peak:>20.2f} "
             f"{row['host_bound'] / GiB:>15.2f} {row['exact']!s:>6}"
         )
