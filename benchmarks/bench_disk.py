@@ -8,10 +8,11 @@ Workloads:
     disk      the disk alone: a --probe-gib file written buffered (fsync, then the page cache dropped) and as the
               tier writes (O_DIRECT where the filesystem takes it), then read back buffered (one and two reader
               threads, as the tier reads) and with O_DIRECT, and half read while another half is written (each
-              rate, and both bytes over the wall time: whether the disk reads and writes at full speed at once). Then the tier's pattern alone: up to 8 files of a
-              chunk each read, rewritten (into the blocks of the generation the previous rename replaced, as the
-              tier does: [Note: Spare generation]) and renamed over it, one at a time, against the floor of those
-              bytes (what the disk gives the step's files, with no GPU and no overlap).
+              rate, and both bytes over the wall time: whether the disk reads and writes at full speed at once).
+              Then the tier's pattern alone: up to 8 files of a chunk each read, rewritten (into the blocks of the
+              generation the previous rename replaced, as the tier does: [Note: Spare generation]) and renamed over
+              it, one at a time, against the floor of those bytes (what the disk gives the step's files, with no GPU
+              and no overlap).
     step      fp32 matrices, fused AdamW, all state offloaded, with --shares of it on disk (0: host only). Each share
               runs in a process of its own (peak RSS is per process). Its floor is the larger of the link's (the
               bytes each way over the duplex bandwidth) and the disk's (bytes read over the read GB/s plus bytes
@@ -356,10 +357,11 @@ def main() -> int:
         ok &= row["exact"]
     print(
         "\nfloor: the link's, or the disk's read then written bytes at the rates above; x direct: against the larger "
-        "of the bytes read over the O_DIRECT read rate and the bytes written over the tier's write rate (both at once); "
-        "x at once: the same with the rates the disk gave while reading and writing at once"
+        "of the bytes read over the O_DIRECT read rate and the bytes written over the tier's write rate (both at "
+        "once); x at once: the same with the rates the disk gave while reading and writing at once"
     )
-    print(f"{'on disk':>8} {'step s':>8} {'floor s':>8} {'x floor':>8} {'bound':>5} {'x direct':>8} {'x at once':>9} {'disk GB/s':>9} "
+    print(f"{'on disk':>8} {'step s':>8} {'floor s':>8} {'x floor':>8} {'bound':>5} {'x direct':>8} {'x at once':>9} "
+          f"{'disk GB/s':>9} "
           f"{'exposed':>8} {'checksum':>8} {'peak RSS - base GiB':>20} {'host bound GiB':>15} "
           f"{'exact':>6}")  # fmt: skip
     for _share, row, floor, tier in rows:

@@ -11,6 +11,8 @@ reduction, ``get_megatron_optimizer`` (Adam, clip 1.0), world size 1, ``--micro-
     resident          Megatron as it is (run twice: the control)
     wrapped           wrap_megatron_optimizer(optimizer): mains and moments in host memory
     wrapped-auto      the same with gpu_budget_mb="auto" (what the GPU has room for stays resident)
+    overlap           wrapped with overlap=True: the step runs beside the next forward
+    overlap-auto      the same with gpu_budget_mb="auto"
     hybrid            Megatron's HybridDeviceOptimizer (optimizer_cpu_offload, fraction 1.0, precision-aware): CPU step
     offload-restore   Megatron's offload_to_cpu() / restore_from_cpu() around each step
 Every variant runs ``--iters`` iterations in deterministic mode; its losses, params, fp32 mains and moments at the
@@ -40,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import device_name, git_sha  # noqa: E402  (it puts src/ and tests/ on the path)
 
-VARIANTS = ("resident", "wrapped", "wrapped-auto", "hybrid", "offload-restore")
+VARIANTS = ("resident", "wrapped", "wrapped-auto", "overlap", "overlap-auto", "hybrid", "offload-restore")
 
 
 def build(variant: str, args: argparse.Namespace) -> tuple[Any, Any]:
@@ -78,8 +80,10 @@ def build(variant: str, args: argparse.Namespace) -> tuple[Any, Any]:
         **options,
     )  # fmt: skip
     opt = get_megatron_optimizer(cfg, [ddp])
-    if variant.startswith("wrapped"):
-        wrap = {"gpu_budget_mb": "auto"} if variant == "wrapped-auto" else {}
+    if variant.startswith(("wrapped", "overlap")):
+        wrap: dict[str, Any] = {"overlap": variant.startswith("overlap")}
+        if variant.endswith("-auto"):
+            wrap["gpu_budget_mb"] = "auto"
         wrap_megatron_optimizer(opt, chunk_size_mb=args.chunk_mb, **wrap)
     return ddp, opt
 

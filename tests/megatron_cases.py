@@ -96,9 +96,14 @@ def _config(**overrides: Any) -> Any:
 
 
 def build(
-    wrap: bool, *, grad_reduce_in_fp32: bool = True, overlap_param_gather: bool = False, **overrides: Any
+    wrap: bool | dict[str, Any],
+    *,
+    grad_reduce_in_fp32: bool = True,
+    overlap_param_gather: bool = False,
+    **overrides: Any,
 ) -> tuple[Any, Any, Any]:
-    """A small bf16 Megatron module under Megatron's DDP, its ``get_megatron_optimizer``, wrapped or not."""
+    """A small bf16 Megatron module under Megatron's DDP, its ``get_megatron_optimizer``, wrapped (with the options
+    ``wrap`` names, if a dict) or not."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.transformer import MegatronModule, TransformerConfig
@@ -126,13 +131,13 @@ def build(
     )  # fmt: skip
     ddp = DistributedDataParallel(config, ddp_config, net)
     opt = get_megatron_optimizer(_config(**overrides), [ddp])
-    if wrap:
-        wrap_megatron_optimizer(opt, chunk_size_mb=0.001)
+    if wrap is not False:  # True, or the options (an empty dict too)
+        wrap_megatron_optimizer(opt, chunk_size_mb=0.001, **(wrap if isinstance(wrap, dict) else {}))
     return net, ddp, opt
 
 
 def step(ddp: Any, opt: Any, it: int, rank: int = 0) -> tuple[float, Any]:
-    dtype = next(ddp.parameters()).dtype
+    dtype = next(ddp.module.parameters()).dtype  # not through the chunk, whose parameters() waits for the step
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(100 * it + rank), dtype=dtype)
     ddp.zero_grad_buffer()
     opt.zero_grad()
@@ -144,9 +149,10 @@ def step(ddp: Any, opt: Any, it: int, rank: int = 0) -> tuple[float, Any]:
     return loss.item(), (ok, norm)
 
 
-def snapshot(net: Any, opt: Any) -> list[torch.Tensor]:
-    """The params, and each shard's fp32 main param and state in Megatron's checkpoint form."""
-    out = [p.detach().clone() for p in net.parameters()]
+def snapshot(ddp: Any, opt: Any) -> list[torch.Tensor]:
+    """The params (read as Megatron reads them outside the forward: through the model chunk, as
+    ``calc_params_l2_norm`` does), and each shard's fp32 main param and state in Megatron's checkpoint form."""
+    out = [p.detach().clone() for p in ddp.parameters()]
     for d in opt.chained_optimizers:
         for group in (*d.model_float16_groups, *d.model_fp32_groups):
             for model_param in group:
@@ -160,29 +166,34 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 def parity(rank: int, world: int, port: int, backend: str, steps: int, overrides: dict[str, Any], result: Any) -> None:
-    """Losses, grad norms, params, mains and moments of a wrapped run equal the resident run's, bitwise."""
+    """Losses, grad norms, params, mains and moments of a wrapped run (with the options ``overrides["wrap"]``)
+    equal the resident run's, bitwise."""
+    overrides = dict(overrides)
+    options = overrides.pop("wrap", {})
     with cuda_on_cpu():
         _init(rank, world, port)
         runs = []
-        for wrap in (False, True):
+        for wrap in (False, options):
             net, ddp, opt = build(wrap, **overrides)
             trace = [step(ddp, opt, it, rank) for it in range(steps)]
-            runs.append((trace, snapshot(net, opt)))
+            runs.append((trace, snapshot(ddp, opt)))
         (trace_a, snap_a), (trace_b, snap_b) = runs
         result[rank] = (trace_a == trace_b and same(snap_a, snap_b), trace_b)
 
 
-def resume(rank: int, world: int, port: int, backend: str, result: Any) -> None:
+def resume(rank: int, world: int, port: int, backend: str, overlap: bool, result: Any) -> None:
     """A wrapped run saved with dist-checkpointing (torch_dist) after 2 steps and loaded into a new wrapped run
-    continues bitwise as the run that was not interrupted (4 steps)."""
+    continues bitwise as the run that was not interrupted (4 steps); with ``overlap``, saved while the last step's
+    chunks wait for the next forward."""
     from megatron.core import dist_checkpointing
 
+    options = {"overlap": True} if overlap else {}
     with cuda_on_cpu():
         _init(rank, world, port)
-        net, ddp, opt = build(True)
+        net, ddp, opt = build(options, overlap_param_gather=overlap)
         trace = [step(ddp, opt, it, rank) for it in range(4)]
-        straight = snapshot(net, opt)
-        net, ddp, opt = build(True)
+        straight = snapshot(ddp, opt)
+        net, ddp, opt = build(options, overlap_param_gather=overlap)
         for it in range(2):
             step(ddp, opt, it, rank)
         directory = [tempfile.mkdtemp() if rank == 0 else None]
@@ -190,13 +201,13 @@ def resume(rank: int, world: int, port: int, backend: str, result: Any) -> None:
         metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
         dist_checkpointing.save({"optimizer": opt.sharded_state_dict({}, metadata=metadata)}, directory[0])
         model_state = net.state_dict()
-        net, ddp, opt = build(True)
+        net, ddp, opt = build(options, overlap_param_gather=overlap)
         step(ddp, opt, 99, rank)  # Megatron without TE or Apex loads into existing state only
         net.load_state_dict(model_state)
         template = {"optimizer": opt.sharded_state_dict({}, is_loading=True, metadata=metadata)}
         opt.load_state_dict(dist_checkpointing.load(template, directory[0])["optimizer"])
         resumed = [step(ddp, opt, it, rank) for it in range(2, 4)]
-        result[rank] = resumed == trace[2:] and same(straight, snapshot(net, opt))
+        result[rank] = resumed == trace[2:] and same(straight, snapshot(ddp, opt))
 
 
 def rl_offload(rank: int, world: int, port: int, backend: str, result: Any) -> None:
@@ -210,7 +221,7 @@ def rl_offload(rank: int, world: int, port: int, backend: str, result: Any) -> N
                 step(ddp, opt, it, rank)
                 opt.offload_to_cpu()
                 opt.restore_from_cpu()
-            snaps.append(snapshot(net, opt))
+            snaps.append(snapshot(ddp, opt))
         result[rank] = same(*snaps)
 
 
@@ -222,7 +233,8 @@ def refusals(rank: int, world: int, port: int, backend: str, result: Any) -> Non
     with cuda_on_cpu():
         _init(rank, world, port)
         cases = {
-            "overlap": (lambda: build(False), {"overlap": True}),
+            "in backward": (lambda: build(False), {"step_in_backward": True}),
+            "overlap without param gather": (lambda: build(False), {"overlap": True}),
             "masters": (lambda: build(False), {"master_weights": "none"}),
             "bf16 grads": (lambda: build(False, grad_reduce_in_fp32=False), {}),
             "wrapped": (lambda: build(True), {}),
@@ -254,5 +266,5 @@ def wrap_midway(rank: int, world: int, port: int, backend: str, result: Any) -> 
             if wrap:
                 wrap_megatron_optimizer(opt, chunk_size_mb=0.001)
             trace += [step(ddp, opt, it, rank) for it in range(3, 6)]
-            runs.append((trace, snapshot(net, opt)))
+            runs.append((trace, snapshot(ddp, opt)))
         result[rank] = runs[0][0] == runs[1][0] and same(runs[0][1], runs[1][1])

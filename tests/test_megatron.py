@@ -22,10 +22,22 @@ pytest.importorskip("megatron.core", reason="megatron-core is installed by `make
         # fp16 with dynamic loss scaling from 2**24: the first steps overflow and are skipped (found inf)
         {"bf16": False, "fp16": True, "initial_loss_scale": 2.0**24, "min_loss_scale": 1.0, "hysteresis": 1},
         {"overlap_param_gather": True},  # Megatron all-gathers each bucket's params in the next forward
+        # the step beside the next forward, which (and each bucket's all-gather) waits for the chunks it reads
+        {"overlap_param_gather": True, "wrap": {"overlap": True}},
+        {
+            "bf16": False,
+            "fp16": True,
+            "initial_loss_scale": 2.0**24,
+            "min_loss_scale": 1.0,
+            "hysteresis": 1,
+            "wrap": {"overlap": True},
+        },
     ],
-    ids=["adam-clip", "adam-plain", "fp16-found-inf", "overlap-param-gather"],
+    ids=["adam-clip", "adam-plain", "fp16-found-inf", "overlap-param-gather", "overlap", "overlap-fp16"],
 )
 def test_a_wrapped_distributed_optimizer_is_bitwise_with_megatrons_resident_one(world: int, case: dict) -> None:
+    if world > 1 and case.get("wrap", {}).get("overlap") and not case.get("overlap_param_gather"):
+        pytest.skip("refused: overlap at more than one rank needs overlap_param_gather (the refusal's own test)")
     result = _spawn(megatron_cases.parity, 6, case, world=world)
     assert set(result) == set(range(world))
     for rank, (same, trace) in result.items():
@@ -34,9 +46,10 @@ def test_a_wrapped_distributed_optimizer_is_bitwise_with_megatrons_resident_one(
         assert any(skipped) == bool(case.get("fp16")) and not all(skipped), trace
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("world", [1, 2])
-def test_a_dist_checkpoint_round_trip_resumes_bitwise(world: int) -> None:
-    assert _spawn(megatron_cases.resume, world=world) == dict.fromkeys(range(world), True)
+def test_a_dist_checkpoint_round_trip_resumes_bitwise(world: int, overlap: bool) -> None:
+    assert _spawn(megatron_cases.resume, overlap, world=world) == dict.fromkeys(range(world), True)
 
 
 def test_offload_to_cpu_and_restore_from_cpu_keep_the_run_bitwise() -> None:
@@ -46,7 +59,7 @@ def test_offload_to_cpu_and_restore_from_cpu_keep_the_run_bitwise() -> None:
 def test_what_cannot_be_wrapped_is_refused_with_what_to_do() -> None:
     messages = _spawn(megatron_cases.refusals, world=1)[0]
     expected = {
-        "overlap": "overlap=True is not supported under Megatron-Core yet",
+        "in backward": "step_in_backward=True is not supported under Megatron-Core",
         "masters": "sets master_weights itself",
         "bf16 grads": "grad_reduce_in_fp32=True",
         "wrapped": "wrapped already",
@@ -55,6 +68,13 @@ def test_what_cannot_be_wrapped_is_refused_with_what_to_do() -> None:
         message, unchanged = messages[name]
         assert needle in message, (name, message)
         assert unchanged, f"{name}: the optimizer was modified before the refusal"
+    assert messages["overlap without param gather"] == ("", False)  # one rank: nothing to gather, overlap runs
+
+
+def test_overlap_at_two_ranks_without_overlap_param_gather_is_refused() -> None:
+    for rank, messages in _spawn(megatron_cases.refusals, world=2).items():
+        message, unchanged = messages["overlap without param gather"]
+        assert "overlap_param_gather=True" in message and unchanged, (rank, message)
 
 
 @pytest.mark.parametrize("world", [1, 2])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -112,8 +112,15 @@ def _is_fsdp1(model: torch.nn.Module) -> bool:
     return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
 
 
-def attach(model: torch.nn.Module, runtime: Runtime, *, blocks: bool = False) -> AttachHandle:
-    """Gate the forward of the modules of ``model`` that hold params on the updates of those params.
+def attach(
+    model: torch.nn.Module,
+    runtime: Runtime,
+    *,
+    blocks: bool = False,
+    views: Mapping[torch.Tensor, torch.Tensor] | None = None,
+) -> AttachHandle:
+    """Gate the forward of the modules of ``model`` that hold params on the updates of those params (or of the
+    optimizer params that ``views`` names as views of their memory).
 
     [Note: Attached forward]
     Each gated module gets a forward pre-hook, prepended so that it runs before any other, that makes the stream
@@ -140,13 +147,15 @@ def attach(model: torch.nn.Module, runtime: Runtime, *, blocks: bool = False) ->
     params, with ``overlap=True`` an FSDP1 model (its all-gather stream is not ordered after a deferred chunk), and,
     with ``step_in_backward=True``, a DDP model.
     """
-    _check_attachable(model, runtime, blocks)
+    views = _check_views(model, runtime, views)
+    _check_attachable(model, runtime, blocks, views)
     ref = weakref.ref(runtime)  # the model must not keep the wrapper (and its host memory) alive
     key = compiled.register(ref)
     units = fsdp.units(model)
     groups = [group for unit in units for group in unit.groups]
     unit_gates = [_UnitGate(ref, group, key) for group in groups]
     gates = _gates(model, {id(p) for g in unit_gates for p in g.params}, blocks)
+    gates = {m: [views.get(p, p) for p in params] for m, params in gates.items()}  # what the optimizer steps
     hooks = {m: _Gate(ref, ps, key) for m, ps in gates.items()}
     # A module compiled in place runs its hooks inside the compiled code: its gate runs from its class instead.
     inplace = {m: hooks[m].run for m in gates if compiled.is_compiled_module(m) and not compiled.is_compiled_wrapper(m)}
@@ -164,7 +173,31 @@ def attach(model: torch.nn.Module, runtime: Runtime, *, blocks: bool = False) ->
     return handle
 
 
-def _check_attachable(model: torch.nn.Module, runtime: Runtime, blocks: bool) -> None:
+def _check_views(
+    model: torch.nn.Module, runtime: Runtime, views: Mapping[torch.Tensor, torch.Tensor] | None
+) -> dict[torch.Tensor, torch.Tensor]:
+    """``views`` checked: each key a param of ``model``, each value an optimizer param in that param's memory."""
+    if views is None:
+        return {}
+    if not isinstance(views, Mapping):
+        raise TypeError(f"views must map params of the model to optimizer params, got {type(views).__name__}")
+    held = {id(p) for p in model.parameters()}
+    for param, view in views.items():
+        why = None
+        if not isinstance(param, torch.Tensor) or id(param) not in held:
+            why = "a key is not a param of the model"
+        elif not isinstance(view, torch.Tensor) or runtime.index_of(view) is None:
+            why = "a value is not a param of this optimizer"
+        elif view.untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
+            why = "a value is not a view of its key's memory (the forward would not read what the optimizer updates)"
+        if why is not None:
+            raise ValueError(f"attach(views=...): {why}; pass {{model param: the optimizer param viewing it}}")
+    return dict(views)
+
+
+def _check_attachable(
+    model: torch.nn.Module, runtime: Runtime, blocks: bool, views: Mapping[torch.Tensor, torch.Tensor]
+) -> None:
     """Refuse what ``attach()`` cannot gate, before anything is hooked."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"attach() takes a torch.nn.Module, got {type(model).__name__}")
@@ -176,7 +209,7 @@ def _check_attachable(model: torch.nn.Module, runtime: Runtime, blocks: bool) ->
             "another module's forward), so the hook that finishes the step after the forward would never fire. "
             "Attach the module whose forward calls it (the whole model)"
         )
-    if not any(runtime.index_of(p) is not None for p in model.parameters()):
+    if not any(runtime.index_of(views.get(p, p)) is not None for p in model.parameters()):
         total = sum(1 for _ in model.parameters())
         raise ValueError(
             f"attach() got a {type(model).__name__} that holds none of this optimizer's params (it holds {total} "

@@ -6,7 +6,7 @@ import logging
 import os
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Literal, NoReturn
 
@@ -220,14 +220,17 @@ class ChunkedOffloadOptimizer(InnerView):
         Reading it on a GPU waits for the last step to finish (its times come from CUDA events)."""
         return self._waits.stats()
 
-    def attach(self, model: torch.nn.Module, *, blocks: bool = False) -> AttachHandle:
+    def attach(
+        self, model: torch.nn.Module, *, blocks: bool = False, views: Mapping[torch.Tensor, torch.Tensor] | None = None
+    ) -> AttachHandle:
         """Make each module's forward wait until its own params have been updated by the last step.
 
         Needed with ``overlap=True``: ``step()`` then returns before its chunks finish, and the next forward
         overlaps them ([Note: Overlapped step]). ``model.state_dict()`` and ``model.load_state_dict()`` wait for the
         step too. Returns a handle whose ``remove()`` takes the hooks off. Any other read of a param outside the
         forward of a module that holds it needs ``opt.wait_step()`` first (docs/modes.md lists them).
-        ``blocks=True`` gates each repeated block (a transformer layer) as a whole.
+        ``blocks=True`` gates each repeated block (a transformer layer) as a whole. ``views`` maps a param of the
+        model to the optimizer param that views its memory (a shard, as Megatron's DistributedOptimizer steps).
         """
         if not (self.overlap or self.step_in_backward):
             self._parts.notices.warn(
@@ -235,15 +238,20 @@ class ChunkedOffloadOptimizer(InnerView):
                 "opt.attach(model) does nothing without overlap=True or step_in_backward=True: every step has "
                 "finished when step() returns. Pass overlap=True, or leave the call out",
             )
-        return self._parts.hooks.add(attach(model, self._waits, blocks=blocks))
+        return self._parts.hooks.add(attach(model, self._waits, blocks=blocks, views=views))
 
-    def wait_step(self) -> None:
+    def wait_step(self, params: Iterable[torch.Tensor] | None = None) -> None:
         """Order the current CUDA stream after every update of the last step (without blocking the host).
 
         With ``overlap=True``, call it before reading params outside the forward of an attached module: an EMA of
-        the weights, a functional call, logging their norms. A no-op without overlap.
+        the weights, a functional call, logging their norms. A no-op without overlap. With ``params`` (the
+        optimizer's own), only after their updates, enqueuing their chunks if the step deferred them: for a reader
+        of a few params (a collective over a shard) that should not wait for the whole step.
         """
-        self._runner.join()
+        if params is None:
+            self._runner.join()
+        else:
+            self._waits.wait_for([i for i in map(self._waits.index_of, params) if i is not None])
 
     def synchronize(self) -> None:
         """Block until the last step has finished and every write-back has landed (``opt.state`` can be read)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -48,25 +49,27 @@ def wrap_megatron_optimizer(optimizer: Any, **options: Any) -> Any:
     Raises:
         TypeError, ValueError: what cannot be wrapped, and what to do instead; nothing is modified then.
     """
-    for name in ("overlap", "step_in_backward"):
-        if options.get(name):
-            raise ValueError(
-                f"{name}=True is not supported under Megatron-Core yet: Megatron's forward reads the param buffer, "
-                "which no attach() gate orders. Leave it out (the step runs in optimizer.step())"
-            )
+    if options.get("step_in_backward"):
+        raise ValueError(
+            "step_in_backward=True is not supported under Megatron-Core: Megatron reduces and clips the grads after "
+            "the backward, so no chunk may step inside it. Pass overlap=True instead (the step runs beside the next "
+            "forward)"
+        )
     for name in ("master_weights", "adapter"):
         if name in options:
             raise ValueError(f"wrap_megatron_optimizer() sets {name} itself (fp32 masters of Megatron's mains)")
     parts = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
     for part in parts:
-        _check(part)
+        _check(part, bool(options.get("overlap")))
     for part in parts:
         if not getattr(part, "is_stub_optimizer", False):
             _wrap(part, options)
+            if options.get("overlap"):
+                _gate(part)
     return optimizer
 
 
-def _check(d: Any) -> None:
+def _check(d: Any, overlap: bool) -> None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     if not isinstance(d, DistributedOptimizer):
@@ -97,6 +100,12 @@ def _check(d: Any) -> None:
                         "16-bit params need fp32 grads (Megatron's default path clips an fp32 copy): set "
                         "DistributedDataParallelConfig(grad_reduce_in_fp32=True) (--accumulate-allreduce-grads-in-fp32)"
                     )
+    if why is None and overlap and not ddp.overlap_param_gather and any(_ranks(g) > 1 for _, g in _bucket_groups(d)):
+        why = (
+            "overlap=True at a data-parallel size above 1 needs DistributedDataParallelConfig(overlap_param_gather="
+            "True) (--overlap-param-gather): then each bucket's all-gather waits for its own chunks in the next "
+            "forward, where without it every all-gather runs in step() and waits for the whole step"
+        )
     if why is None:
         for g, group in enumerate(d.optimizer.param_groups):
             mains = list(d.shard_fp32_groups[g]) + list(d.shard_fp32_from_float16_groups[g])  # Megatron's order
@@ -139,6 +148,86 @@ def _wrap(d: Any, options: dict[str, Any]) -> None:
     d.restore_from_cpu = types.MethodType(lambda self: self.optimizer.reload(), d)
 
 
+# [Note: Megatron overlapped step]
+# With overlap=True the wrapper's step() returns before its chunks have run ([Note: Overlapped step]), and the next
+# forward runs beside them. Megatron reads a chunk's params in three places before that forward's modules do, and
+# each waits for exactly the chunks it reads:
+# - each model chunk (its DDP module) is attached with ``views``: a module's forward waits for the shard views of its
+#   own params (at one rank the shard is the whole param);
+# - a bucket group's ``start_param_sync`` (the all-gather of the param buffer, dispatched by the next forward's
+#   pre-hooks with ``overlap_param_gather=True``) first orders the current stream, on which NCCL enqueues, after the
+#   chunks of the group's local shards. At one rank that all-gather copies the shard onto itself: it is skipped, so
+#   that a step() without ``overlap_param_gather`` does not wait for every chunk. At more ranks without
+#   ``overlap_param_gather`` every all-gather runs in step(), so that is refused;
+# - reads of the whole model outside the forward (``parameters()`` and ``named_parameters()``, as
+#   ``calc_params_l2_norm`` for --log-params-norm reads them; ``sharded_state_dict()`` and ``state_dict()``, as a
+#   checkpoint does) wait for the whole step first, and the checkpoint hooks below wait on the host.
+# The grads need nothing: the step reads copies of them ([Note: Inputs of a step]), so ``zero_grad_buffer()`` may
+# follow at once.
+
+
+def _bucket_groups(d: Any) -> list[tuple[Any, Any]]:
+    """``(model chunk, bucket group)`` of each bucket group of ``d``'s model chunks."""
+    return [
+        (chunk, group)
+        for chunk in d.model_chunks
+        for group in [*chunk.bucket_groups, *getattr(chunk, "expert_parallel_bucket_groups", [])]
+    ]
+
+
+def _ranks(group: Any) -> int:
+    return int(group.intra_distributed_optimizer_instance_size)
+
+
+def _gate(d: Any) -> None:
+    """Order Megatron's readers of the param buffer after the chunks they read ([Note: Megatron overlapped step])."""
+    wrapper = d.optimizer
+    views = {p: _shard(d, p) for p in d.model_param_group_index_map}
+    for chunk in d.model_chunks:
+        held = {p: views[p] for p in chunk.parameters() if p in views}
+        if held:
+            wrapper.attach(chunk, views=held)
+            for name in ("parameters", "named_parameters", "state_dict", "sharded_state_dict"):
+                setattr(chunk, name, _JoinFirst(wrapper, getattr(chunk, name)))
+    for _, group in _bucket_groups(d):
+        shards = [views[p] for bucket in group.buckets for p in bucket.params_list if p in views]
+        if shards:
+            group.start_param_sync = _ParamSync(wrapper, group, shards)
+
+
+class _ParamSync:
+    """A bucket group's ``start_param_sync``, after the chunks of its local shards ([Note: Megatron overlapped
+    step])."""
+
+    def __init__(self, wrapper: ChunkedOffloadOptimizer, group: Any, shards: list[torch.Tensor]) -> None:
+        self._wrapper, self._group, self._shards = weakref.ref(wrapper), group, shards
+
+    def __call__(self, force_sync: bool = False) -> None:
+        group = self._group
+        if _ranks(group) == 1:  # the all-gather of one rank's shard onto itself
+            group.param_gather_dispatched, group.param_gather_handle = True, None
+            if force_sync and group.ddp_config.overlap_param_gather:
+                group._post_param_sync()
+            return
+        wrapper = self._wrapper()
+        if wrapper is not None:
+            wrapper.wait_step(self._shards)
+        type(group).start_param_sync(group, force_sync=force_sync)
+
+
+class _JoinFirst:
+    """A model chunk's method that reads all of its params: it waits for the whole step first."""
+
+    def __init__(self, wrapper: ChunkedOffloadOptimizer, method: Any) -> None:
+        self._wrapper, self._method = weakref.ref(wrapper), method
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        wrapper = self._wrapper()
+        if wrapper is not None:
+            wrapper.wait_step()
+        return self._method(*args, **kwargs)
+
+
 def _copy_grads(self: Any) -> None:
     """Megatron's copy of the main grads into ``decoupled_grad``; torch's inner reads ``.grad`` of fp32 shards."""
     type(self)._copy_model_grads_to_main_grads(self)
@@ -154,6 +243,7 @@ def _shard(d: Any, model_param: torch.Tensor) -> torch.Tensor:
 
 def _get_states(self: Any, model_param: torch.Tensor) -> dict[str, torch.Tensor]:
     """The default path's checkpoint tensors of ``model_param``'s shard: its fp32 main param and its state."""
+    self.optimizer.synchronize()  # an overlapped step's chunks have written their state back
     view = _shard(self, model_param)
     tensors = {"param": view if view.dtype == torch.float32 else self.optimizer.master_of(view)}
     for key, value in self.optimizer.state[view].items():
@@ -165,6 +255,7 @@ def _get_states(self: Any, model_param: torch.Tensor) -> dict[str, torch.Tensor]
 def _set_states(self: Any, model_param: torch.Tensor, tensors: dict[str, Any]) -> None:
     """Load the default path's checkpoint tensors of ``model_param``'s shard into the wrapper."""
     view, wrapper = _shard(self, model_param), self.optimizer
+    wrapper.synchronize()  # no chunk of an overlapped step writes back over what is loaded
     for key, value in tensors.items():
         # ``step`` comes from the checkpoint's param groups (Megatron's load_state_dict sets it before this runs).
         if not isinstance(value, torch.Tensor) or key == "step":
