@@ -200,6 +200,7 @@ def one_step_variant(args: argparse.Namespace, device: torch.device) -> dict[str
     if args.host_budget is not None:
         options.update(spill_dir=args.spill_dir, host_budget_mb=args.host_budget / MiB)
     opt = ChunkedOffloadOptimizer(inner, **options)
+    built = rss()["VmRSS"]  # the arena (page-locked) and the bounces, before any step
     ref = torch.optim.AdamW(reference, lr=1e-3, fused=device.type == "cuda")
     times, stats = [], []
     for step in range(args.iters + 1):
@@ -234,6 +235,7 @@ def one_step_variant(args: argparse.Namespace, device: torch.device) -> dict[str
         "on_disk": plan.disk_nbytes,
         "host_bound": bound,
         "rss_base": base,
+        "rss_built": built,
         **{k.lower(): v for k, v in rss().items()},
         "exact": exact,
     }
@@ -362,7 +364,7 @@ def main() -> int:
     )
     print(f"{'on disk':>8} {'step s':>8} {'floor s':>8} {'x floor':>8} {'bound':>5} {'x direct':>8} {'x at once':>9} "
           f"{'disk GB/s':>9} "
-          f"{'exposed':>8} {'checksum':>8} {'peak RSS - base GiB':>20} {'host bound GiB':>15} "
+          f"{'exposed':>8} {'checksum':>8} {'peak RSS - base GiB':>20} {'built - base':>12} {'host bound GiB':>15} "
           f"{'exact':>6}")  # fmt: skip
     for _share, row, floor, tier in rows:
         peak = (row["vmhwm"] - row["rss_base"]) / GiB
@@ -373,6 +375,7 @@ def main() -> int:
             f"{row['step_s'] / floor if floor else float('nan'):>8.2f} {tier:>5} {direct:>8.2f} "
             f"{row['step_s'] / row['at_once_floor'] if row['at_once_floor'] else float('nan'):>9.2f} "
             f"{row['disk_gbps']:>9.2f} {row['disk_exposed_s']:>8.3f} {cost:>8} {peak:>20.2f} "
+            f"{(row['rss_built'] - row['rss_base']) / GiB:>12.2f} "
             f"{row['host_bound'] / GiB:>15.2f} {row['exact']!s:>6}"
         )
     if args.capacity_params:
