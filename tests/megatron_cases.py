@@ -91,7 +91,7 @@ def _init(rank: int, world: int, port: int) -> None:
 def _config(**overrides: Any) -> Any:
     from megatron.core.optimizer import OptimizerConfig
 
-    options = {"optimizer": "adam", "lr": 1e-2, "weight_decay": 0.1, "bf16": True, "clip_grad": 0.1}
+    options = {"optimizer": "adam", "lr": 1e-2, "min_lr": 1e-4, "weight_decay": 0.1, "bf16": True, "clip_grad": 0.1}
     return OptimizerConfig(**{**options, **overrides, "use_distributed_optimizer": True})
 
 
@@ -136,7 +136,18 @@ def build(
     return net, ddp, opt
 
 
-def step(ddp: Any, opt: Any, it: int, rank: int = 0) -> tuple[float, Any]:
+def scheduler(opt: Any) -> Any:
+    """Megatron's ``OptimizerParamScheduler``: lr and weight decay change after every ``step()`` (warmup, then
+    cosine; a linear weight-decay ramp)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        opt, init_lr=1e-3, max_lr=1e-2, min_lr=1e-4, lr_warmup_steps=2, lr_decay_steps=6, lr_decay_style="cosine",
+        start_wd=0.05, end_wd=0.1, wd_incr_steps=6, wd_incr_style="linear",
+    )  # fmt: skip
+
+
+def step(ddp: Any, opt: Any, it: int, rank: int = 0, sched: Any = None) -> tuple[float, Any]:
     dtype = next(ddp.module.parameters()).dtype  # not through the chunk, whose parameters() waits for the step
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(100 * it + rank), dtype=dtype)
     ddp.zero_grad_buffer()
@@ -146,6 +157,8 @@ def step(ddp: Any, opt: Any, it: int, rank: int = 0) -> tuple[float, Any]:
     scaled.backward()
     ddp.finish_grad_sync()
     ok, norm, _ = opt.step()
+    if sched is not None:
+        sched.step(increment=1)  # after step(), as Megatron's train_step: an overlapped step's chunks run later
     return loss.item(), (ok, norm)
 
 
@@ -175,7 +188,8 @@ def parity(rank: int, world: int, port: int, backend: str, steps: int, overrides
         runs = []
         for wrap in (False, options):
             net, ddp, opt = build(wrap, **overrides)
-            trace = [step(ddp, opt, it, rank) for it in range(steps)]
+            sched = scheduler(opt)
+            trace = [step(ddp, opt, it, rank, sched) for it in range(steps)]
             runs.append((trace, snapshot(ddp, opt)))
         (trace_a, snap_a), (trace_b, snap_b) = runs
         result[rank] = (trace_a == trace_b and same(snap_a, snap_b), trace_b)
