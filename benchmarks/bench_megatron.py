@@ -13,6 +13,8 @@ reduction, ``get_megatron_optimizer`` (Adam, clip 1.0), world size 1, ``--micro-
     wrapped-auto      the same with gpu_budget_mb="auto" (what the GPU has room for stays resident)
     overlap           wrapped with overlap=True: the step runs beside the next forward
     overlap-auto      the same with gpu_budget_mb="auto"
+    overlap-slowed    overlap with every chunk's step started 10 ms late on its stream (GPU only), so that a reader
+                      of the params that does not wait for the step overtakes it: bitwise only, its time is not kept
     hybrid            Megatron's HybridDeviceOptimizer (optimizer_cpu_offload, fraction 1.0, precision-aware): CPU step
     offload-restore   Megatron's offload_to_cpu() / restore_from_cpu() around each step
 Every variant runs ``--iters`` iterations in deterministic mode; its losses, params, fp32 mains and moments at the
@@ -42,7 +44,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import device_name, git_sha  # noqa: E402  (it puts src/ and tests/ on the path)
 
-VARIANTS = ("resident", "wrapped", "wrapped-auto", "overlap", "overlap-auto", "hybrid", "offload-restore")
+VARIANTS = (
+    "resident", "wrapped", "wrapped-auto", "overlap", "overlap-auto", "overlap-slowed", "hybrid", "offload-restore",
+)  # fmt: skip
 
 
 def build(variant: str, args: argparse.Namespace) -> tuple[Any, Any]:
@@ -130,19 +134,22 @@ def snapshot(ddp: Any, opt: Any) -> list[torch.Tensor]:
 
 
 def run(variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    ddp, opt = build(variant, args)
+    from reference import slowed_chunk_steps
+
+    ddp, opt = build(variant.removesuffix("-slowed"), args)
     synchronize(args.device)
     if args.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     losses, seconds = [], []
-    for it in range(args.iters):
-        start = time.perf_counter()
-        losses.append(iteration(ddp, opt, it, args))
-        if variant == "offload-restore":
-            opt.offload_to_cpu()
-            opt.restore_from_cpu()
-        synchronize(args.device)
-        seconds.append(time.perf_counter() - start)
+    with slowed_chunk_steps() if variant.endswith("-slowed") else contextlib.nullcontext():
+        for it in range(args.iters):
+            start = time.perf_counter()
+            losses.append(iteration(ddp, opt, it, args))
+            if variant == "offload-restore":
+                opt.offload_to_cpu()
+                opt.restore_from_cpu()
+            synchronize(args.device)
+            seconds.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() if args.device.type == "cuda" else 0
     result = {"losses": losses, "s": statistics.median(seconds[args.warmup :]), "peak": peak}
     try:
@@ -187,8 +194,8 @@ def main() -> int:
     args = parser.parse_args()
     args.device = torch.device("cuda" if gpu else "cpu")
     variants = ["resident", "resident", *[v for v in args.variants.split(",") if v and v != "resident"]]
-    if not gpu:  # HybridDeviceOptimizer maps CPU copies to GPU params: nothing to map on the CPU
-        variants = [v for v in variants if v != "hybrid"]
+    if not gpu:  # HybridDeviceOptimizer maps CPU copies to GPU params, and streams sleep: neither on the CPU
+        variants = [v for v in variants if v not in ("hybrid", "overlap-slowed")]
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
