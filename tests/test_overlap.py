@@ -266,3 +266,23 @@ def test_a_pre_hook_that_runs_before_the_gate_reads_params_the_step_has_not_upda
         opt.zero_grad()
     stale = [not torch.equal(before, after) for before, after in zip(early, late, strict=True)]
     assert any(stale) == emulated, stale
+
+
+def test_a_model_in_a_reference_cycle_goes_with_its_wrapper_in_one_collection() -> None:
+    """Megatron's modules and optimizers sit in reference cycles (hook closures): dropping the wrapper and the model
+    frees the model in the same collection; the wrapper's finalizer (which takes the hooks off) holds it only weakly."""
+    import gc
+    import weakref
+
+    model = _Net()
+    model.loop = [model]  # type: ignore[assignment]  # a cycle, as a closure over the module makes one
+    opt = ChunkedOffloadOptimizer(torch.optim.AdamW(model.parameters()), overlap=True)
+    opt.attach(model, blocks=True)
+    model(torch.randint(0, 50, (2, 3))).sum().backward()
+    opt.step()
+    holder: dict = {"opt": opt}
+    holder["self"] = holder  # the wrapper too goes only in a collection (Megatron's optimizer holds it so)
+    dead = weakref.ref(model)
+    del model, opt, holder
+    gc.collect()
+    assert dead() is None

@@ -119,11 +119,12 @@ def gate_classes(
         if module in boundaries:
             gated.__dict__["_chunked_offload_boundaries"][module] = boundaries[module]
         module.__class__ = gated
-        swapped.append((module, before, gated))
+        swapped.append((weakref.ref(module), before, gated))  # the wrapper's finalizer must not keep the model
 
     def restore() -> None:
-        for module, before, gated in swapped:
-            if type(module) is gated:
+        for ref, before, gated in swapped:
+            module = ref()
+            if module is not None and type(module) is gated:
                 module.__class__ = before
 
     return restore
