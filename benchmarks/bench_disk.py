@@ -180,18 +180,28 @@ def tier_pattern(directory: Path, file_nbytes: int, files: int) -> tuple[float, 
 
 
 # ------------------------------------------------------------------------------------------------ one step variant
-def warm_up(device: torch.device) -> None:
-    """Load the CUDA context and the kernels the run uses (their images take host memory on first use): the base of
-    the peak RSS is the process before the wrapper, not before CUDA."""
-    p = torch.nn.Parameter(torch.zeros(4096, device=device))
-    p.grad = torch.randn(4096, generator=torch.Generator(device=device).manual_seed(0), device=device)
-    torch.optim.AdamW([p], fused=device.type == "cuda").step()
+def warm_up(device: torch.device, spill_dir: Path) -> None:
+    """Load the CUDA context and the kernels the run uses (their images take host memory on first use), through two
+    steps of a small wrapper with a chunk on disk, then drop it: the base of the peak RSS is the process before the
+    wrapper's memory, not before CUDA and the step's code."""
+    fused = device.type == "cuda"
+    gen = torch.Generator(device=device).manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(64, 64, device=device)) for _ in range(4)]
+    opt = ChunkedOffloadOptimizer(
+        torch.optim.AdamW(params, fused=fused), chunk_size_mb=0.02, spill_dir=spill_dir, host_budget_mb=0.15
+    )
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen, device=device)
+        opt.step()
+    opt.synchronize()
+    del opt, params
     torch.randn(64, 64, device=device, dtype=torch.bfloat16) @ torch.randn(64, 64, device=device, dtype=torch.bfloat16)
     synchronize(device)
 
 
 def one_step_variant(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    warm_up(device)
+    warm_up(device, args.spill_dir)
     base = rss()["VmRSS"]
     params = make_matrices(args.params, args.dim, torch.float32, device)
     reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
@@ -243,7 +253,7 @@ def one_step_variant(args: argparse.Namespace, device: torch.device) -> dict[str
 
 def capacity_trial(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """bf16 matrices, remainder masters, real forward/backward through the chain, host capped, 2 steps."""
-    warm_up(device)
+    warm_up(device, args.spill_dir)
     base = rss()["VmRSS"]
     params = make_matrices(args.capacity_params, args.dim, torch.bfloat16, device)
     inner = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
