@@ -282,3 +282,45 @@ def wrap_midway(rank: int, world: int, port: int, backend: str, result: Any) -> 
             trace += [step(ddp, opt, it, rank) for it in range(3, 6)]
             runs.append((trace, snapshot(ddp, opt)))
         result[rank] = runs[0][0] == runs[1][0] and same(runs[0][1], runs[1][1])
+
+
+def reload_params(
+    rank: int, world: int, port: int, backend: str, overlap: bool, fp32_source: bool, result: Any
+) -> None:
+    """Model params loaded from elsewhere after some steps, then ``reload_model_params()`` (Megatron's load without
+    the optimizer's state: ``--no-load-optim``, ``--finetune``): the mains become those params (with
+    ``fp32_source``, fp32 tensors of a state dict that round to them), as in the resident run, and the runs continue
+    bitwise. A state dict whose tensors do not round to the params is refused, the masters untouched."""
+    options = {"overlap": True} if overlap else {}
+    with cuda_on_cpu():
+        _init(rank, world, port)
+        _, donor_ddp, donor_opt = build(False, overlap_param_gather=overlap)
+        for it in range(3):
+            step(donor_ddp, donor_opt, 50 + it, rank)
+        loaded = donor_ddp.module.state_dict()
+        runs = []
+        for wrap in (False, options):
+            net, ddp, opt = build(wrap, overlap_param_gather=overlap)
+            trace = [step(ddp, opt, it, rank) for it in range(2)]
+            net.load_state_dict(loaded)
+            if fp32_source:  # within half a bf16 ulp of the params: the mains differ from their upcast
+                close = {k: v.float() * (1 + 2.0**-12) for k, v in loaded.items() if v.is_floating_point()}
+                far = {k: v.float() * 1.01 for k, v in close.items()}
+                before = snapshot(ddp, opt)
+                refused = wrap is False or _raises(opt.reload_model_params, {"model": far}, "does not round")
+                refused = refused and same(before, snapshot(ddp, opt))
+                opt.reload_model_params({"model": close})
+            else:
+                refused = True
+                opt.reload_model_params()
+            trace += [step(ddp, opt, it, rank) for it in range(2, 4)]
+            runs.append((trace, snapshot(ddp, opt), refused))
+        result[rank] = runs[0][0] == runs[1][0] and same(runs[0][1], runs[1][1]) and runs[1][2]
+
+
+def _raises(call: Any, argument: Any, needle: str) -> bool:
+    try:
+        call(argument)
+    except ValueError as e:
+        return needle in str(e)
+    return False

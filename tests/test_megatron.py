@@ -80,3 +80,12 @@ def test_overlap_at_two_ranks_without_overlap_param_gather_is_refused() -> None:
 @pytest.mark.parametrize("world", [1, 2])
 def test_wrapping_after_resident_steps_carries_the_mains_and_moments_over(world: int) -> None:
     assert _spawn(megatron_cases.wrap_midway, world=world) == dict.fromkeys(range(world), True)
+
+
+@pytest.mark.parametrize(
+    ("overlap", "fp32_source"), [(False, False), (True, False), (False, True)], ids=["sync", "overlap", "state-dict"]
+)
+@pytest.mark.parametrize("world", [1, 2])
+def test_reload_model_params_makes_the_mains_the_loaded_params(world: int, overlap: bool, fp32_source: bool) -> None:
+    result = _spawn(megatron_cases.reload_params, overlap, fp32_source, world=world)
+    assert result == dict.fromkeys(range(world), True)

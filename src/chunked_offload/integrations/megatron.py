@@ -144,6 +144,7 @@ def _wrap(d: Any, options: dict[str, Any]) -> None:
     d._get_main_param_and_optimizer_states = types.MethodType(_get_states, d)
     d._set_main_param_and_optimizer_states = types.MethodType(_set_states, d)
     d._init_optimizer_states_with_dummy_values = types.MethodType(lambda self: None, d)  # _set_states makes them
+    d._copy_model_params_to_main_params = types.MethodType(_reload_mains, d)
     d.offload_to_cpu = types.MethodType(lambda self: self.optimizer.offload(), d)
     d.restore_from_cpu = types.MethodType(lambda self: self.optimizer.reload(), d)
 
@@ -226,6 +227,34 @@ class _JoinFirst:
         if wrapper is not None:
             wrapper.wait_step()
         return self._method(*args, **kwargs)
+
+
+def _reload_mains(self: Any, state_dict: Any = None) -> None:
+    """Megatron's copy of the model params into the main params (``reload_model_params()``, after a load without the
+    optimizer's state), which its precision-aware path skips: the wrapper's masters become the params' shards, or
+    the tensors ``state_dict`` holds for them. The wrapper keeps each param its master's rounding, so a state dict
+    whose tensors do not round to the params is refused, before any master changes."""
+    source = {} if state_dict is None else self._build_model_param_to_state_dict_param_map(state_dict)
+    pairs = []
+    for groups in (self.model_float16_groups, self.model_fp32_groups):
+        for group in groups:
+            for model_param in group:
+                where = self._get_model_param_range_map(model_param)["param"]
+                shard = source.get(model_param, model_param).detach().view(-1)[where.start : where.end]
+                view = _shard(self, model_param)
+                if not torch.equal(shard.to(view.dtype), view):
+                    raise ValueError(
+                        "reload_model_params(state_dict): a tensor of the state dict does not round to its model "
+                        f"param (shape {tuple(model_param.shape)}), and the wrapper keeps each param the rounding of "
+                        "its fp32 master. Load the model params from the same checkpoint first, or call "
+                        "reload_model_params() without a state dict"
+                    )
+                pairs.append((view, shard))
+    for view, shard in pairs:
+        if view.dtype == torch.float32:
+            view.detach().copy_(shard)
+        else:
+            self.optimizer.set_master(view, shard.to(torch.float32))
 
 
 def _copy_grads(self: Any) -> None:
