@@ -195,7 +195,7 @@ def parity(rank: int, world: int, port: int, backend: str, steps: int, overrides
         result[rank] = (trace_a == trace_b and same(snap_a, snap_b), trace_b)
 
 
-def resume(rank: int, world: int, port: int, backend: str, overlap: bool, result: Any) -> None:
+def resume(rank: int, world: int, port: int, backend: str, overlap: bool, sharding: str, result: Any) -> None:
     """A wrapped run saved with dist-checkpointing (torch_dist) after 2 steps and loaded into a new wrapped run
     continues bitwise as the run that was not interrupted (4 steps); with ``overlap``, saved while the last step's
     chunks wait for the next forward."""
@@ -212,13 +212,14 @@ def resume(rank: int, world: int, port: int, backend: str, overlap: bool, result
             step(ddp, opt, it, rank)
         directory = [tempfile.mkdtemp() if rank == 0 else None]
         dist.broadcast_object_list(directory)
-        metadata = {"distrib_optim_sharding_type": "dp_reshardable"}
-        dist_checkpointing.save({"optimizer": opt.sharded_state_dict({}, metadata=metadata)}, directory[0])
+        metadata = {"distrib_optim_sharding_type": sharding}
+        saved = {"optimizer": opt.sharded_state_dict(ddp.sharded_state_dict(), metadata=metadata)}
+        dist_checkpointing.save(saved, directory[0])
         model_state = net.state_dict()
         net, ddp, opt = build(options, overlap_param_gather=overlap)
         step(ddp, opt, 99, rank)  # Megatron without TE or Apex loads into existing state only
         net.load_state_dict(model_state)
-        template = {"optimizer": opt.sharded_state_dict({}, is_loading=True, metadata=metadata)}
+        template = {"optimizer": opt.sharded_state_dict(ddp.sharded_state_dict(), is_loading=True, metadata=metadata)}
         opt.load_state_dict(dist_checkpointing.load(template, directory[0])["optimizer"])
         resumed = [step(ddp, opt, it, rank) for it in range(2, 4)]
         result[rank] = resumed == trace[2:] and same(straight, snapshot(ddp, opt))

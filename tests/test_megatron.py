@@ -46,10 +46,14 @@ def test_a_wrapped_distributed_optimizer_is_bitwise_with_megatrons_resident_one(
         assert any(skipped) == bool(case.get("fp16")) and not all(skipped), trace
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize(
+    ("overlap", "sharding"),
+    [(False, "dp_reshardable"), (True, "dp_reshardable"), (False, "fully_reshardable")],
+    ids=["sync", "overlap", "fully-reshardable"],  # Megatron's default, and --dist-ckpt-optim-fully-reshardable
+)
 @pytest.mark.parametrize("world", [1, 2])
-def test_a_dist_checkpoint_round_trip_resumes_bitwise(world: int, overlap: bool) -> None:
-    assert _spawn(megatron_cases.resume, overlap, world=world) == dict.fromkeys(range(world), True)
+def test_a_dist_checkpoint_round_trip_resumes_bitwise(world: int, overlap: bool, sharding: str) -> None:
+    assert _spawn(megatron_cases.resume, overlap, sharding, world=world) == dict.fromkeys(range(world), True)
 
 
 def test_offload_to_cpu_and_restore_from_cpu_keep_the_run_bitwise() -> None:
