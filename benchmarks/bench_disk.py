@@ -284,6 +284,8 @@ def capacity_trial(args: argparse.Namespace, device: torch.device) -> dict[str, 
         "on_disk": plan.disk_nbytes,
         "host_bound": plan.host_nbytes + (plan.num_slots + 1) * plan.bounce_nbytes,
         "rss_base": base,
+        # On the CPU the "device" is host memory: the params and their grads count in the RSS there.
+        "device_in_rss": 0 if device.type == "cuda" else sum(2 * p.numel() * p.element_size() for p in params),
         **{k.lower(): v for k, v in rss().items()},
         "finite": all(bool(torch.isfinite(p).all()) for p in params),
     }
@@ -396,7 +398,13 @@ def main() -> int:
             f"{cap['host_arena'] / GiB:.1f} GiB + {cap['on_disk'] / GiB:.1f} GiB on disk; iterations "
             + ", ".join(f"{t:.1f} s" for t in cap["iter_s"])
             + f"; peak RSS {cap['vmhwm'] / GiB:.1f} GiB (base {cap['rss_base'] / GiB:.1f}, bound "
-            f"{cap['host_bound'] / GiB:.1f} + base); params finite: {cap['finite']}"
+            f"{cap['host_bound'] / GiB:.1f} + base"
+            + (
+                f" + {cap['device_in_rss'] / GiB:.1f} of params and grads, the CPU's device"
+                if cap["device_in_rss"]
+                else ""
+            )
+            + f"); params finite: {cap['finite']}"
         )
     print("\nexact: every variant bitwise equal to resident AdamW" if ok else "\nNOT EXACT")
     return 0 if ok else 1
