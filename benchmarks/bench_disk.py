@@ -64,7 +64,8 @@ def rss() -> dict[str, int]:
 
 
 # ------------------------------------------------------------------------------------------------ the disk alone
-def _direct_read(path: Path, buf: mmap.mmap) -> None:
+def _direct_read(path: Path, buf: mmap.mmap | memoryview) -> None:
+    """Read the first ``len(buf)`` bytes of ``path`` into the page-aligned ``buf`` with O_DIRECT."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
     try:
         view, done = memoryview(buf), 0
@@ -125,25 +126,15 @@ def read_and_write_at_once(directory: Path, path: Path, aligned: mmap.mmap) -> d
     target = directory / "probe_w.bin"
     target.unlink(missing_ok=True)
 
-    def read() -> float:
+    def rate(work: Any) -> float:
         t0 = time.perf_counter()
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        try:
-            done = 0
-            while done < half and (n := os.readv(fd, [into[done : done + 64 * MiB]])):
-                done += n
-        finally:
-            os.close(fd)
-        return half / (time.perf_counter() - t0) / 1e9
-
-    def write() -> float:
-        t0 = time.perf_counter()
-        disk_io.write_new_file(target, source)
+        work()
         return half / (time.perf_counter() - t0) / 1e9
 
     with ThreadPoolExecutor(2) as pool:
         t0 = time.perf_counter()
-        r, w = pool.submit(read), pool.submit(write)
+        r = pool.submit(rate, lambda: _direct_read(path, into))
+        w = pool.submit(rate, lambda: disk_io.write_new_file(target, source))
         rates = {"at once: read O_DIRECT": r.result(), "at once: write (the tier's)": w.result()}
         rates["at once: both"] = 2 * half / (time.perf_counter() - t0) / 1e9
     target.unlink()

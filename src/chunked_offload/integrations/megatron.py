@@ -100,7 +100,7 @@ def _check(d: Any, overlap: bool) -> None:
                         "16-bit params need fp32 grads (Megatron's default path clips an fp32 copy): set "
                         "DistributedDataParallelConfig(grad_reduce_in_fp32=True) (--accumulate-allreduce-grads-in-fp32)"
                     )
-    if why is None and overlap and not ddp.overlap_param_gather and any(_ranks(g) > 1 for _, g in _bucket_groups(d)):
+    if why is None and overlap and not ddp.overlap_param_gather and any(_ranks(g) > 1 for g in _bucket_groups(d)):
         why = (
             "overlap=True at a data-parallel size above 1 needs DistributedDataParallelConfig(overlap_param_gather="
             "True) (--overlap-param-gather): then each bucket's all-gather waits for its own chunks in the next "
@@ -167,10 +167,10 @@ def _wrap(d: Any, options: dict[str, Any]) -> None:
 # follow at once.
 
 
-def _bucket_groups(d: Any) -> list[tuple[Any, Any]]:
-    """``(model chunk, bucket group)`` of each bucket group of ``d``'s model chunks."""
+def _bucket_groups(d: Any) -> list[Any]:
+    """The bucket groups of ``d``'s model chunks."""
     return [
-        (chunk, group)
+        group
         for chunk in d.model_chunks
         for group in [*chunk.bucket_groups, *getattr(chunk, "expert_parallel_bucket_groups", [])]
     ]
@@ -190,7 +190,7 @@ def _gate(d: Any) -> None:
             wrapper.attach(chunk, views=held)
             for name in ("parameters", "named_parameters", "state_dict", "sharded_state_dict"):
                 setattr(chunk, name, _JoinFirst(wrapper, getattr(chunk, name)))
-    for _, group in _bucket_groups(d):
+    for group in _bucket_groups(d):
         shards = [views[p] for bucket in group.buckets for p in bucket.params_list if p in views]
         if shards:
             group.start_param_sync = _ParamSync(wrapper, group, shards)
@@ -251,10 +251,7 @@ def _reload_mains(self: Any, state_dict: Any = None) -> None:
                     )
                 pairs.append((view, shard))
     for view, shard in pairs:
-        if view.dtype == torch.float32:
-            view.detach().copy_(shard)
-        else:
-            self.optimizer.set_master(view, shard.to(torch.float32))
+        _set_main(self.optimizer, view, shard)
 
 
 def _copy_grads(self: Any) -> None:
@@ -263,6 +260,14 @@ def _copy_grads(self: Any) -> None:
     for group in self.shard_fp32_groups:
         for view in group:
             view.grad = getattr(view, "decoupled_grad", None)
+
+
+def _set_main(wrapper: ChunkedOffloadOptimizer, view: torch.Tensor, main: torch.Tensor) -> None:
+    """Make ``main`` the fp32 main param of the shard ``view``: the shard itself if fp32, else its wrapper master."""
+    if view.dtype == torch.float32:
+        view.detach().copy_(main)
+    else:
+        wrapper.set_master(view, main.detach().to(torch.float32))
 
 
 def _shard(d: Any, model_param: torch.Tensor) -> torch.Tensor:
@@ -290,10 +295,7 @@ def _set_states(self: Any, model_param: torch.Tensor, tensors: dict[str, Any]) -
         if not isinstance(value, torch.Tensor) or key == "step":
             continue
         if key == "param":
-            if view.dtype == torch.float32:
-                view.detach().copy_(value)
-            else:
-                wrapper.set_master(view, value.detach().to(torch.float32))
+            _set_main(wrapper, view, value)
             continue
         entry = wrapper.state[view]
         if key in entry and entry[key].shape == value.shape and entry[key].dtype == value.dtype:
