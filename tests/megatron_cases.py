@@ -9,8 +9,10 @@ to the CPU, and names CPU tensors as ``torch.cuda.*Tensor`` where Megatron check
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import tempfile
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -269,7 +271,8 @@ def refusals(rank: int, world: int, port: int, backend: str, result: Any) -> Non
 
 def wrap_midway(rank: int, world: int, port: int, backend: str, result: Any) -> None:
     """Wrapping after resident steps (mains no longer the params' upcast, moments on the GPU) carries them over: the
-    run continues bitwise as the resident one."""
+    run continues bitwise as the resident one, and the GPU's mains and moments are freed (nothing of Megatron's
+    still holds them)."""
     from chunked_offload.integrations.megatron import wrap_megatron_optimizer
 
     with cuda_on_cpu():
@@ -278,11 +281,25 @@ def wrap_midway(rank: int, world: int, port: int, backend: str, result: Any) -> 
         for wrap in (False, True):
             net, ddp, opt = build(False)
             trace = [step(ddp, opt, it, rank) for it in range(3)]
+            freed = True
             if wrap:
+                gone = [weakref.ref(t) for t in _mains_and_moments(opt)]
                 wrap_megatron_optimizer(opt, chunk_size_mb=0.001)
+                gc.collect()
+                freed = bool(gone) and all(ref() is None for ref in gone)
             trace += [step(ddp, opt, it, rank) for it in range(3, 6)]
-            runs.append((trace, snapshot(ddp, opt)))
-        result[rank] = runs[0][0] == runs[1][0] and same(runs[0][1], runs[1][1])
+            runs.append((trace, snapshot(ddp, opt), freed))
+        result[rank] = runs[0][0] == runs[1][0] and same(runs[0][1], runs[1][1]) and runs[1][2]
+
+
+def _mains_and_moments(opt: Any) -> list[torch.Tensor]:
+    """The fp32 main shards of the 16-bit params and their moments, as Megatron's resident optimizer holds them."""
+    found = []
+    for d in opt.chained_optimizers:
+        for group in d.shard_fp32_from_float16_groups:
+            for main in group:
+                found += [main, *(v for v in d.optimizer.state[main].values() if v.dim() > 0)]
+    return found
 
 
 def reload_params(

@@ -127,6 +127,8 @@ def _wrap(d: Any, options: dict[str, Any]) -> None:
             if main is not view:
                 mains[view] = main
         group["params"] = views[g]
+    for g, ranges in enumerate(getattr(d, "opt_group_ranges", ())):  # Megatron's copy of the groups (the mains)
+        ranges["orig_group"]["params"] = views[g]
     adapter = resolve_adapter(inner)
     adapter.grad_attr = "decoupled_grad"  # the path's fp32 grads ([Note: Megatron main params])
     wrapper = ChunkedOffloadOptimizer(inner, master_weights="fp32", adapter=adapter, **options)
