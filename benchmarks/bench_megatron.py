@@ -24,6 +24,7 @@ an earlier variant left would show here), and whether it is bitwise.
 
 Commands:
     PYTHONPATH=src:tests:benchmarks python3 benchmarks/bench_megatron.py          # GPU: 0.96 B; CPU: a tiny model
+    ... bench_megatron.py --variants wrapped-auto --profile 15    # GPU: where one more iteration's GPU time goes
 megatron-core 0.19.2 on the GPU: its wheel in .whl/ (``pip download --no-deps megatron-core==0.19.2``).
 """
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import os
 import socket
@@ -159,9 +161,24 @@ def run(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     except Exception as e:  # HybridDeviceOptimizer keeps another form
         result["snapshot"] = None
         result["why"] = f"{type(e).__name__}: {e}"
+    if args.profile and args.device.type == "cuda":  # one more iteration, after the snapshot: where its time goes
+        result["profile"] = profile(functools.partial(iteration, ddp, opt, args.iters, args), args.profile)
     del ddp, opt
     free()
     return result
+
+
+def profile(call: Any, rows: int) -> str:
+    """The ``rows`` ops with the most GPU time in one ``call()``, and the total."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    total = sum(e.self_device_time_total for e in events) / 1e3
+    return f"GPU time {total:.1f} ms\n" + events.table(sort_by="self_device_time_total", row_limit=rows)
 
 
 def free() -> None:
@@ -200,6 +217,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--chunk-mb", type=float, default=1024.0 if gpu else 1.0)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--profile", type=int, default=0, help="GPU: the N ops with most GPU time, one more iteration")
     args = parser.parse_args()
     args.device = torch.device("cuda" if gpu else "cpu")
     variants = ["resident", "resident", *[v for v in args.variants.split(",") if v and v != "resident"]]
@@ -235,6 +253,8 @@ def main() -> int:
         for v in variants:
             results.append((v, run(v, args)))
             print(f"  ran {v}: {results[-1][1]['s']:.4f} s/iter", flush=True)
+            if "profile" in results[-1][1]:
+                print(results[-1][1]["profile"], flush=True)
     base, control = results[0][1], results[1][1]
     print(f"control: resident against itself: {'bitwise' if same(base, control) == 'yes' else 'DIFFERS'}")
     print(f"{'variant':16s} {'s/iter':>8s} {'kept':>7s} {'peak GiB':>9s} {'B/param below':>13s} {'built GiB':>9s} "
