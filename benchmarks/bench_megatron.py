@@ -25,6 +25,7 @@ an earlier variant left would show here), and whether it is bitwise.
 Commands:
     PYTHONPATH=src:tests:benchmarks python3 benchmarks/bench_megatron.py          # GPU: 0.96 B; CPU: a tiny model
     ... bench_megatron.py --variants wrapped-auto --profile 15    # GPU: where one more iteration's GPU time goes
+    ... bench_megatron.py --fused    # Megatron's inner as torch's fused AdamW (one op: resident chunks need no copy)
 megatron-core 0.19.2 on the GPU: its wheel in .whl/ (``pip download --no-deps megatron-core==0.19.2``).
 """
 
@@ -87,6 +88,10 @@ def build(variant: str, args: argparse.Namespace) -> tuple[Any, Any]:
         **options,
     )  # fmt: skip
     opt = get_megatron_optimizer(cfg, [ddp])
+    if args.fused and variant != "hybrid":  # torch's fused AdamW in every variant: one op per step, no rollback copy
+        for d in opt.chained_optimizers:
+            for group in d.optimizer.param_groups:
+                group.update(fused=True, foreach=False)
     if variant.startswith(("wrapped", "overlap")):
         wrap: dict[str, Any] = {"overlap": variant.startswith("overlap")}
         if variant.endswith("-auto"):
@@ -217,6 +222,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--chunk-mb", type=float, default=1024.0 if gpu else 1.0)
     parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--fused", action="store_true", help="torch's fused AdamW as Megatron's inner, every variant")
     parser.add_argument("--profile", type=int, default=0, help="GPU: the N ops with most GPU time, one more iteration")
     args = parser.parse_args()
     args.device = torch.device("cuda" if gpu else "cpu")
@@ -247,7 +253,7 @@ def main() -> int:
         print(
             f"{device_name(args.device)}, torch {torch.__version__}, commit {git_sha()}: GPTModel {params / 1e9:.3f} B "
             f"params ({args.layers} layers, hidden {args.hidden}), {args.micro_batches} x {args.micro_batch} x "
-            f"{args.seq} tokens, chunk {args.chunk_mb:g} MB"
+            f"{args.seq} tokens, chunk {args.chunk_mb:g} MB" + (", fused AdamW" if args.fused else "")
         )
         results = []
         for v in variants:

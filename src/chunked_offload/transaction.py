@@ -56,19 +56,28 @@ def swap_in_masters(
     swaps: list[MasterSwap],
     grad_of: Callable[[torch.Tensor], torch.Tensor | None],
 ) -> None:
-    """Cast the grads (``grad_of``: the adapter's rule; fp32 already where an integration keeps them so) to fp32,
-    then show each master and its fp32 grad as the param's data and grad."""
+    """Show each master and its fp32 grad as the param's data and grad.
+
+    The grads are ``grad_of``'s (the adapter's rule). A 16-bit one is cast into the chunk's fp32 scratch. An fp32
+    one, where an integration keeps them so (Megatron's ``decoupled_grad``, which Megatron's own step hands its
+    inner as it is; or the copy an overlapped step owns), is shown as it is: a copy would only move 8 bytes per
+    element more.
+    """
     grads = [g for info, _ in mastered if (g := grad_of(info.param)) is not None]
     if len(grads) < len(mastered):
         index = next(info.index for info, _ in mastered if grad_of(info.param) is None)
         raise RuntimeError(f"param {index} has no grad; it should not have been swapped to its master")
-    torch._foreach_copy_([v[GRAD32] for _, v in mastered], [local(g) for g in grads])
-    for info, views in mastered:
+    as_is = [type(g) is torch.Tensor and g.dtype == torch.float32 and g.shape == info.param.shape
+             for (info, _), g in zip(mastered, grads, strict=True)]  # fmt: skip
+    cast = [(v[GRAD32], local(g)) for (_, v), g, keep in zip(mastered, grads, as_is, strict=True) if not keep]
+    if cast:
+        torch._foreach_copy_([scratch for scratch, _ in cast], [g for _, g in cast])
+    for (info, views), g, keep in zip(mastered, grads, as_is, strict=True):
         p = info.param
         swap = MasterSwap(p, p.data, p.grad, views)
         p.grad = None
         swap.parts = show(p, like_param(views[MASTER], p))  # a DTensor param: a DTensor over the master
-        p.grad = like_param(views[GRAD32], p)
+        p.grad = g if keep else like_param(views[GRAD32], p)
         swaps.append(swap)  # only once it is in effect: a rollback undoes what is in the list
 
 
