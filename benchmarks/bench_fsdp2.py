@@ -137,11 +137,12 @@ def train(model: Any, opt: Any, steps: range, rank: int, args: Any, device: torc
 
 
 def local_state(model: torch.nn.Module, opt: Any) -> list[torch.Tensor]:
+    """Copies of the local shards: a wrapper's state tensors are its host memory itself, which later steps update."""
     tensors = []
     for p in model.parameters():
-        tensors.append(p.to_local().detach().cpu())
+        tensors.append(p.to_local().detach().to("cpu", copy=True))
         for key in ("exp_avg", "exp_avg_sq"):
-            tensors.append(opt.state[p][key].to_local().cpu())
+            tensors.append(opt.state[p][key].to_local().to("cpu", copy=True))
     return tensors
 
 

@@ -132,12 +132,13 @@ def iteration(ddp: Any, opt: Any, it: int, args: argparse.Namespace) -> float:
 
 def snapshot(ddp: Any, opt: Any) -> list[torch.Tensor]:
     """The params, and each shard's fp32 main param and moments in Megatron's checkpoint form (on the host)."""
-    out = [p.detach().cpu() for p in ddp.parameters()]
+    out = [p.detach().to("cpu", copy=True) for p in ddp.parameters()]
     for d in getattr(opt, "chained_optimizers", [opt]):
         for group in (*d.model_float16_groups, *d.model_fp32_groups):
             for model_param in group:
                 tensors = d._get_main_param_and_optimizer_states(model_param)
-                out += [tensors[k].detach().float().cpu() for k in sorted(tensors) if k != "step"]
+                # copies: the wrapper's are its host tensors themselves, which a later iteration (--profile) updates
+                out += [tensors[k].detach().to("cpu", torch.float32, copy=True) for k in sorted(tensors) if k != "step"]
     return out
 
 
