@@ -26,6 +26,7 @@ Commands:
     PYTHONPATH=src:tests:benchmarks python3 benchmarks/bench_megatron.py          # GPU: 0.96 B; CPU: a tiny model
     ... bench_megatron.py --variants wrapped-auto --profile 15    # GPU: where one more iteration's GPU time goes
     ... bench_megatron.py --fused    # Megatron's inner as torch's fused AdamW (one op: resident chunks need no copy)
+    ... bench_megatron.py --te       # Megatron's precision-aware path: TE's FusedAdam keeps bf16-remainder masters
 megatron-core 0.19.2 on the GPU: its wheel in .whl/ (``pip download --no-deps megatron-core==0.19.2``).
 """
 
@@ -35,6 +36,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import importlib.util
 import os
 import socket
 import statistics
@@ -80,6 +82,8 @@ def build(variant: str, args: argparse.Namespace) -> tuple[Any, Any]:
         config, DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True), model
     )
     options: dict[str, Any] = {}
+    if args.te:  # Megatron's precision-aware path: TE's FusedAdam(master_weights=True) keeps the masters
+        options = {"use_precision_aware_optimizer": True, "store_param_remainders": args.device.type == "cuda"}
     if variant == "hybrid":
         options = {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0}
         options |= {"use_precision_aware_optimizer": True, "main_params_dtype": torch.float32}
@@ -224,7 +228,10 @@ def main() -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--fused", action="store_true", help="torch's fused AdamW as Megatron's inner, every variant")
     parser.add_argument("--profile", type=int, default=0, help="GPU: the N ops with most GPU time, one more iteration")
+    parser.add_argument("--te", action="store_true", help="Megatron's precision-aware path with TE's FusedAdam")
     args = parser.parse_args()
+    if args.te and gpu and importlib.util.find_spec("transformer_engine") is None:
+        parser.error("--te needs Transformer Engine installed (pip install transformer-engine[pytorch])")
     args.device = torch.device("cuda" if gpu else "cpu")
     variants = ["resident", "resident", *[v for v in args.variants.split(",") if v and v != "resident"]]
     if not gpu:  # HybridDeviceOptimizer maps CPU copies to GPU params, and streams sleep: neither on the CPU
@@ -243,17 +250,26 @@ def main() -> int:
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
         get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # torch's CPU generator instead
+        if args.te:  # the tests' stand-in for TE's FusedAdam (fp32 masters; no remainders)
+            from te_standin import standing_in
+
+            stack.enter_context(standing_in())
     with stack:
         torch.distributed.init_process_group("nccl" if gpu else "gloo", rank=0, world_size=1)
         from megatron.core import parallel_state
 
         parallel_state.initialize_model_parallel()
-        params = sum(p.numel() for p in build("resident", args)[0].parameters())
+        model, opt = build("resident", args)
+        params = sum(p.numel() for p in model.parameters())
+        inner = type(getattr(opt, "chained_optimizers", [opt])[0].optimizer)
+        del model, opt
         free()  # that model must not count in the first variant's peak
         print(
             f"{device_name(args.device)}, torch {torch.__version__}, commit {git_sha()}: GPTModel {params / 1e9:.3f} B "
             f"params ({args.layers} layers, hidden {args.hidden}), {args.micro_batches} x {args.micro_batch} x "
-            f"{args.seq} tokens, chunk {args.chunk_mb:g} MB" + (", fused AdamW" if args.fused else "")
+            f"{args.seq} tokens, chunk {args.chunk_mb:g} MB; inner {inner.__module__}.{inner.__name__}"
+            + (" (fused)" if args.fused else "")
+            + (", precision-aware path" if args.te else "")
         )
         results = []
         for v in variants:

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+import te_standin
+
 
 class _Inert:
     """A CUDA stream or event on the CPU: every wait, record and synchronize is done already."""
@@ -82,6 +84,10 @@ def cuda_on_cpu() -> Iterator[None]:
             setattr(torch.cuda, n, v)
 
 
+def _te_if(te: bool) -> contextlib.AbstractContextManager[None]:
+    return te_standin.standing_in() if te else contextlib.nullcontext()
+
+
 def _init(rank: int, world: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -102,10 +108,12 @@ def build(
     *,
     grad_reduce_in_fp32: bool = True,
     overlap_param_gather: bool = False,
+    te: bool = False,
     **overrides: Any,
 ) -> tuple[Any, Any, Any]:
     """A small bf16 Megatron module under Megatron's DDP, its ``get_megatron_optimizer``, wrapped (with the options
-    ``wrap`` names, if a dict) or not."""
+    ``wrap`` names, if a dict) or not. With ``te``, on Megatron's precision-aware path with TE's FusedAdam (inside
+    ``te_standin.standing_in()``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.transformer import MegatronModule, TransformerConfig
@@ -132,6 +140,8 @@ def build(
         overlap_grad_reduce=overlap_param_gather, overlap_param_gather=overlap_param_gather,
     )  # fmt: skip
     ddp = DistributedDataParallel(config, ddp_config, net)
+    if te:
+        overrides = {"use_precision_aware_optimizer": True, "store_param_remainders": False, **overrides}
     opt = get_megatron_optimizer(_config(**overrides), [ddp])
     if wrap is not False:  # True, or the options (an empty dict too)
         wrap_megatron_optimizer(opt, chunk_size_mb=0.001, **(wrap if isinstance(wrap, dict) else {}))
@@ -185,7 +195,7 @@ def parity(rank: int, world: int, port: int, backend: str, steps: int, overrides
     equal the resident run's, bitwise."""
     overrides = dict(overrides)
     options = overrides.pop("wrap", {})
-    with cuda_on_cpu():
+    with cuda_on_cpu(), _te_if(overrides.get("te", False)):
         _init(rank, world, port)
         runs = []
         for wrap in (False, options):
@@ -197,19 +207,21 @@ def parity(rank: int, world: int, port: int, backend: str, steps: int, overrides
         result[rank] = (trace_a == trace_b and same(snap_a, snap_b), trace_b)
 
 
-def resume(rank: int, world: int, port: int, backend: str, overlap: bool, sharding: str, result: Any) -> None:
+def resume(rank: int, world: int, port: int, backend: str, overlap: bool, sharding: str, te: bool, result: Any) -> None:
     """A wrapped run saved with dist-checkpointing (torch_dist) after 2 steps and loaded into a new wrapped run
     continues bitwise as the run that was not interrupted (4 steps); with ``overlap``, saved while the last step's
-    chunks wait for the next forward."""
+    chunks wait for the next forward. With TE the new run has not stepped (without TE or Apex, Megatron needs a
+    step first); Megatron finds the wrapper with state when it loads, so it makes none of the placeholder state it
+    makes on the GPU for an optimizer without any."""
     from megatron.core import dist_checkpointing
 
     options = {"overlap": True} if overlap else {}
-    with cuda_on_cpu():
+    with cuda_on_cpu(), _te_if(te):
         _init(rank, world, port)
-        net, ddp, opt = build(options, overlap_param_gather=overlap)
+        net, ddp, opt = build(options, overlap_param_gather=overlap, te=te)
         trace = [step(ddp, opt, it, rank) for it in range(4)]
         straight = snapshot(ddp, opt)
-        net, ddp, opt = build(options, overlap_param_gather=overlap)
+        net, ddp, opt = build(options, overlap_param_gather=overlap, te=te)
         for it in range(2):
             step(ddp, opt, it, rank)
         directory = [tempfile.mkdtemp() if rank == 0 else None]
@@ -218,22 +230,28 @@ def resume(rank: int, world: int, port: int, backend: str, overlap: bool, shardi
         saved = {"optimizer": opt.sharded_state_dict(ddp.sharded_state_dict(), metadata=metadata)}
         dist_checkpointing.save(saved, directory[0])
         model_state = net.state_dict()
-        net, ddp, opt = build(options, overlap_param_gather=overlap)
-        step(ddp, opt, 99, rank)  # Megatron without TE or Apex loads into existing state only
+        net, ddp, opt = build(options, overlap_param_gather=overlap, te=te)
+        handed: list[int] = []
+        for d in opt.chained_optimizers:
+            wrapper = d.optimizer
+            load = wrapper.load_state_dict
+            wrapper.load_state_dict = lambda sd, w=wrapper, load=load: (handed.append(len(w.state)), load(sd))[1]
+        if not te:  # Megatron without TE or Apex saves and loads a stepped optimizer only (it reads its "step")
+            step(ddp, opt, 99, rank)
         net.load_state_dict(model_state)
         template = {"optimizer": opt.sharded_state_dict(ddp.sharded_state_dict(), is_loading=True, metadata=metadata)}
         opt.load_state_dict(dist_checkpointing.load(template, directory[0])["optimizer"])
         resumed = [step(ddp, opt, it, rank) for it in range(2, 4)]
-        result[rank] = resumed == trace[2:] and same(straight, snapshot(ddp, opt))
+        result[rank] = resumed == trace[2:] and same(straight, snapshot(ddp, opt)) and bool(handed) and all(handed)
 
 
-def rl_offload(rank: int, world: int, port: int, backend: str, result: Any) -> None:
+def rl_offload(rank: int, world: int, port: int, backend: str, te: bool, result: Any) -> None:
     """``offload_to_cpu()`` / ``restore_from_cpu()`` between steps (the RL path) keep a wrapped run bitwise."""
-    with cuda_on_cpu():
+    with cuda_on_cpu(), _te_if(te):
         _init(rank, world, port)
         snaps = []
         for wrap in (False, True):
-            net, ddp, opt = build(wrap)
+            net, ddp, opt = build(wrap, te=te)
             for it in range(3):
                 step(ddp, opt, it, rank)
                 opt.offload_to_cpu()
@@ -247,7 +265,7 @@ def refusals(rank: int, world: int, port: int, backend: str, result: Any) -> Non
     from chunked_offload.integrations.megatron import wrap_megatron_optimizer
 
     messages = {}
-    with cuda_on_cpu():
+    with cuda_on_cpu(), _te_if(True):
         _init(rank, world, port)
         cases = {
             "in backward": (lambda: build(False), {"step_in_backward": True}),
@@ -255,6 +273,8 @@ def refusals(rank: int, world: int, port: int, backend: str, result: Any) -> Non
             "masters": (lambda: build(False), {"master_weights": "none"}),
             "bf16 grads": (lambda: build(False, grad_reduce_in_fp32=False), {}),
             "wrapped": (lambda: build(True), {}),
+            "cpu offload": (lambda: build(False, optimizer_cpu_offload=True, te=True), {}),
+            "te without masters": (lambda: _without_masters(build(False, te=True)), {}),
         }
         for name, (make, options) in cases.items():
             opt = make()[2]
@@ -267,6 +287,12 @@ def refusals(rank: int, world: int, port: int, backend: str, result: Any) -> Non
             else:
                 messages[name] = ("", False)
         result[rank] = messages
+
+
+def _without_masters(built: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
+    for d in built[2].chained_optimizers:
+        d.optimizer.master_weights = False  # TE's FusedAdam on the precision-aware path, keeping no masters
+    return built
 
 
 def wrap_midway(rank: int, world: int, port: int, backend: str, result: Any) -> None:

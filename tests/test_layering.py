@@ -73,6 +73,7 @@ ORDER = [
     "inner_view",
     "optimizer",
     "torchtitan",
+    "integrations.megatron_overlap",
     "integrations.megatron",
     "integrations",
     "",  # the package's __init__

@@ -32,8 +32,22 @@ pytest.importorskip("megatron.core", reason="megatron-core is installed by `make
             "hysteresis": 1,
             "wrap": {"overlap": True},
         },
+        # Megatron's precision-aware path: TE's FusedAdam(master_weights=True) keeps the masters
+        {"te": True},
+        {"te": True, "use_precision_aware_optimizer": False},  # the default path, with TE's FusedAdam as the inner
+        {"te": True, "overlap_param_gather": True, "wrap": {"overlap": True}},
     ],
-    ids=["adam-clip", "adam-plain", "fp16-found-inf", "overlap-param-gather", "overlap", "overlap-fp16"],
+    ids=[
+        "adam-clip",
+        "adam-plain",
+        "fp16-found-inf",
+        "overlap-param-gather",
+        "overlap",
+        "overlap-fp16",
+        "te",
+        "te-default-path",
+        "te-overlap",
+    ],
 )
 def test_a_wrapped_distributed_optimizer_is_bitwise_with_megatrons_resident_one(world: int, case: dict) -> None:
     if world > 1 and case.get("wrap", {}).get("overlap") and not case.get("overlap_param_gather"):
@@ -47,17 +61,24 @@ def test_a_wrapped_distributed_optimizer_is_bitwise_with_megatrons_resident_one(
 
 
 @pytest.mark.parametrize(
-    ("overlap", "sharding"),
-    [(False, "dp_reshardable"), (True, "dp_reshardable"), (False, "fully_reshardable")],
-    ids=["sync", "overlap", "fully-reshardable"],  # Megatron's default, and --dist-ckpt-optim-fully-reshardable
+    ("overlap", "sharding", "te"),
+    [
+        (False, "dp_reshardable", False),
+        (True, "dp_reshardable", False),
+        (False, "fully_reshardable", False),  # Megatron's default, and --dist-ckpt-optim-fully-reshardable
+        (False, "dp_reshardable", True),  # the precision-aware path, loaded into a run that has not stepped
+        (True, "fully_reshardable", True),
+    ],
+    ids=["sync", "overlap", "fully-reshardable", "te", "te-overlap-fully-reshardable"],
 )
 @pytest.mark.parametrize("world", [1, 2])
-def test_a_dist_checkpoint_round_trip_resumes_bitwise(world: int, overlap: bool, sharding: str) -> None:
-    assert _spawn(megatron_cases.resume, overlap, sharding, world=world) == dict.fromkeys(range(world), True)
+def test_a_dist_checkpoint_round_trip_resumes_bitwise(world: int, overlap: bool, sharding: str, te: bool) -> None:
+    assert _spawn(megatron_cases.resume, overlap, sharding, te, world=world) == dict.fromkeys(range(world), True)
 
 
-def test_offload_to_cpu_and_restore_from_cpu_keep_the_run_bitwise() -> None:
-    assert _spawn(megatron_cases.rl_offload, world=1) == {0: True}
+@pytest.mark.parametrize("te", [False, True], ids=["default", "te"])
+def test_offload_to_cpu_and_restore_from_cpu_keep_the_run_bitwise(te: bool) -> None:
+    assert _spawn(megatron_cases.rl_offload, te, world=1) == {0: True}
 
 
 def test_what_cannot_be_wrapped_is_refused_with_what_to_do() -> None:
@@ -67,6 +88,8 @@ def test_what_cannot_be_wrapped_is_refused_with_what_to_do() -> None:
         "masters": "sets master_weights itself",
         "bf16 grads": "grad_reduce_in_fp32=True",
         "wrapped": "wrapped already",
+        "cpu offload": "optimizer_cpu_offload steps Megatron's HybridDeviceOptimizer on the CPU",
+        "te without masters": "needs Transformer Engine's FusedAdam(master_weights=True)",
     }
     for name, needle in expected.items():
         message, unchanged = messages[name]

@@ -86,3 +86,13 @@ def test_state_loaded_from_a_checkpoint_gets_te_scales() -> None:
     fp32_adapter.after_load(params)
     fp32_adapter.begin_step(lambda p: p.dtype)
     assert fp32._scales == {}  # fp32 moments have no scales
+
+
+def test_state_on_another_device_than_its_param_at_a_chunk_step_is_refused() -> None:
+    param = torch.nn.Parameter(torch.zeros(4, 6))
+    adapter = TEFusedAdamAdapter(_fake())
+    adapter.verify_bound([param], {param: {"exp_avg": torch.zeros(4, 6)}})  # beside its param: TE's kernel may run
+    with pytest.raises(RuntimeError, match="is on meta"):
+        adapter.verify_bound([param], {param: {"exp_avg": torch.zeros(4, 6, device="meta")}})
+    with pytest.raises(RuntimeError, match="strides"):
+        adapter.verify_bound([param], {param: {"exp_avg": torch.zeros(6, 4).t()}})

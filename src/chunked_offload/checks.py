@@ -248,7 +248,8 @@ def check_grads(infos: Sequence[ParamInfo], adapter: Adapter) -> None:
                 f"{where} has a {grad.layout} gradient; chunked offload stages dense state only. Use dense "
                 "gradients (e.g. nn.Embedding(sparse=False))"
             )
-        dtype_fits = grad.dtype == p.dtype or (info.has_master and grad.dtype == torch.float32)  # fp32: exact
+        fp32_fits = info.has_master or adapter.owns_masters()  # an fp32 grad of a param with an fp32 master: exact
+        dtype_fits = grad.dtype == p.dtype or (fp32_fits and grad.dtype == torch.float32)
         if grad.shape != p.shape or not dtype_fits or grad.device != p.device:
             raise RuntimeError(
                 f"{where} has a grad of shape {tuple(grad.shape)}, dtype {grad.dtype} on {grad.device}; a grad "

@@ -93,11 +93,12 @@ class TEFusedAdamAdapter(Adapter):
         for p in params:
             for key, value in (state.get(p) or {}).items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    if value.device.type != "cuda" or not value.is_contiguous():
+                    if value.device != p.device or not value.is_contiguous():
                         raise RuntimeError(
-                            f"FusedAdam state {key!r} of a param of shape {tuple(p.shape)} is on {value.device} with "
-                            f"strides {tuple(value.stride())} at its chunk's step; TE's kernels need contiguous GPU "
-                            "memory and would write through the raw pointer regardless"
+                            f"FusedAdam state {key!r} of a param of shape {tuple(p.shape)} on {p.device} is on "
+                            f"{value.device} with strides {tuple(value.stride())} at its chunk's step; TE's kernels "
+                            "need contiguous memory on the param's GPU and would write through the raw pointer "
+                            "regardless"
                         )
 
     def after_load(self, params: Sequence[torch.Tensor]) -> None:

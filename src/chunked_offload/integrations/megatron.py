@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import copy
 import types
-import weakref
 from typing import Any
 
 import torch
 
 from ..adapters import resolve_adapter
+from ..adapters.transformer_engine import is_te_fused_adam
 from ..optimizer import ChunkedOffloadOptimizer
+from .megatron_overlap import bucket_groups, gate, ranks, shard
 
 __all__ = ["wrap_megatron_optimizer"]
 
@@ -29,6 +30,10 @@ __all__ = ["wrap_megatron_optimizer"]
 # ``decoupled_grad`` on that path; its checkpoint hooks (``_get/_set_main_param_and_optimizer_states``) are
 # replaced by ones that read and write the wrapper's masters and state, in the default path's format
 # (``param`` is the fp32 master), so a checkpoint moves between a wrapped and a resident run.
+# A DistributedOptimizer already on the precision-aware path (``use_precision_aware_optimizer=True``, TE's
+# ``FusedAdam(master_weights=True)``) keeps it: the wrapper wraps that FusedAdam as it is (the TE adapter), so its
+# masters (fp32, or int16 remainders) and moments (fp32 or bf16) are its host state, and the checkpoint hooks give
+# them in that path's format (``param`` is TE's ``master_param``).
 
 
 def wrap_megatron_optimizer(optimizer: Any, **options: Any) -> Any:
@@ -65,7 +70,7 @@ def wrap_megatron_optimizer(optimizer: Any, **options: Any) -> Any:
         if not getattr(part, "is_stub_optimizer", False):
             _wrap(part, options)
             if options.get("overlap"):
-                _gate(part)
+                gate(part)
     return optimizer
 
 
@@ -82,17 +87,24 @@ def _check(d: Any, overlap: bool) -> None:
     if isinstance(d.optimizer, ChunkedOffloadOptimizer):
         raise ValueError("this DistributedOptimizer is wrapped already")
     cfg, ddp = d.config, d.ddp_config
+    te_masters = bool(cfg.use_precision_aware_optimizer_no_fp8_or_ds_fp8)  # the path where the inner keeps masters
     why = None
     if ddp.use_megatron_fsdp:
         why = "Megatron-FSDP keeps its own buffers: use Megatron's DDP with use_distributed_optimizer=True"
-    elif cfg.use_precision_aware_optimizer or cfg.optimizer_cpu_offload:
+    elif cfg.optimizer_cpu_offload:
         why = (
-            "use_precision_aware_optimizer and optimizer_cpu_offload keep the masters elsewhere already: leave them "
-            "off (the wrapper keeps fp32 masters of the mains in host memory)"
+            "optimizer_cpu_offload steps Megatron's HybridDeviceOptimizer on the CPU: leave it off (the wrapper "
+            "keeps the masters and moments in host memory and steps them on the GPU)"
+        )
+    elif te_masters and not (is_te_fused_adam(d.optimizer) and getattr(d.optimizer, "master_weights", False)):
+        why = (
+            "use_precision_aware_optimizer=True needs Transformer Engine's FusedAdam(master_weights=True) as the "
+            f"inner optimizer, got {type(d.optimizer).__name__}: install Transformer Engine, or leave "
+            "use_precision_aware_optimizer off (the wrapper then keeps fp32 masters of Megatron's mains)"
         )
     elif ddp.fp8_param_gather or getattr(ddp, "fp4_param_gather", False):
         why = "fp8/fp4 param gather quantizes the mains into the buffer: not supported; leave it off"
-    if why is None:
+    if why is None and not te_masters:
         for model_group in d.model_float16_groups:
             for p in model_group:
                 if getattr(p, "main_grad", None) is not None and p.main_grad.dtype != torch.float32:
@@ -100,24 +112,27 @@ def _check(d: Any, overlap: bool) -> None:
                         "16-bit params need fp32 grads (Megatron's default path clips an fp32 copy): set "
                         "DistributedDataParallelConfig(grad_reduce_in_fp32=True) (--accumulate-allreduce-grads-in-fp32)"
                     )
-    if why is None and overlap and not ddp.overlap_param_gather and any(_ranks(g) > 1 for g in _bucket_groups(d)):
+    if why is None and overlap and not ddp.overlap_param_gather and any(ranks(g) > 1 for g in bucket_groups(d)):
         why = (
             "overlap=True at a data-parallel size above 1 needs DistributedDataParallelConfig(overlap_param_gather="
             "True) (--overlap-param-gather): then each bucket's all-gather waits for its own chunks in the next "
             "forward, where without it every all-gather runs in step() and waits for the whole step"
         )
-    if why is None:
-        for g, group in enumerate(d.optimizer.param_groups):
-            mains = list(d.shard_fp32_groups[g]) + list(d.shard_fp32_from_float16_groups[g])  # Megatron's order
-            params = group["params"]
-            if len(params) != len(mains) or any(a is not b for a, b in zip(params, mains, strict=True)):
-                why = f"its inner optimizer's param group {g} is not Megatron's main params in Megatron's order"
+    shards = d.shard_float16_groups if te_masters else d.shard_fp32_from_float16_groups
+    for g, group in enumerate(d.optimizer.param_groups):
+        expected = [*d.shard_fp32_groups[g], *shards[g]]  # Megatron's order
+        if why is None and list(map(id, group["params"])) != list(map(id, expected)):
+            why = f"its inner optimizer's param group {g} is not Megatron's shards in Megatron's order"
     if why is not None:
         raise ValueError(f"wrap_megatron_optimizer() cannot wrap this DistributedOptimizer: {why}")
 
 
 def _wrap(d: Any, options: dict[str, Any]) -> None:
     inner = d.optimizer
+    if d.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:  # TE's FusedAdam steps the shards, keeps masters
+        d.optimizer = ChunkedOffloadOptimizer(inner, **options)
+        _replace_checkpoint_hooks(d)
+        return
     views = [list(f) + list(h) for f, h in zip(d.shard_fp32_groups, d.shard_float16_groups, strict=True)]
     mains = {}
     for g, group in enumerate(inner.param_groups):
@@ -143,92 +158,18 @@ def _wrap(d: Any, options: dict[str, Any]) -> None:
             model_param.main_param = None
         shard_group[:] = [None] * len(shard_group)  # the GPU's fp32 mains are gone
     d._copy_model_grads_to_main_grads = types.MethodType(_copy_grads, d)
+    d._copy_model_params_to_main_params = types.MethodType(_reload_mains, d)
+    _replace_checkpoint_hooks(d)
+
+
+def _replace_checkpoint_hooks(d: Any) -> None:
+    """Megatron's per-shard checkpoint hooks and its RL offload, on the wrapper's host copies."""
     d._get_main_param_and_optimizer_states = types.MethodType(_get_states, d)
     d._set_main_param_and_optimizer_states = types.MethodType(_set_states, d)
     d._init_optimizer_states_with_dummy_values = types.MethodType(lambda self: None, d)  # _set_states makes them
-    d._copy_model_params_to_main_params = types.MethodType(_reload_mains, d)
+    d.load_state_dict = types.MethodType(_load_state_dict, d)
     d.offload_to_cpu = types.MethodType(lambda self: self.optimizer.offload(), d)
     d.restore_from_cpu = types.MethodType(lambda self: self.optimizer.reload(), d)
-
-
-# [Note: Megatron overlapped step]
-# With overlap=True the wrapper's step() returns before its chunks have run ([Note: Overlapped step]), and the next
-# forward runs beside them. Megatron reads a chunk's params in three places before that forward's modules do, and
-# each waits for exactly the chunks it reads:
-# - each model chunk (its DDP module) is attached with ``views``: a module's forward waits for the shard views of its
-#   own params (at one rank the shard is the whole param);
-# - a bucket group's ``start_param_sync`` (the all-gather of the param buffer, dispatched by the next forward's
-#   pre-hooks with ``overlap_param_gather=True``) first orders the current stream, on which NCCL enqueues, after the
-#   chunks of the group's local shards. At one rank that all-gather copies the shard onto itself: it is skipped, so
-#   that a step() without ``overlap_param_gather`` does not wait for every chunk. At more ranks without
-#   ``overlap_param_gather`` every all-gather runs in step(), so that is refused;
-# - reads of the whole model outside the forward (``parameters()`` and ``named_parameters()``, as
-#   ``calc_params_l2_norm`` for --log-params-norm reads them; ``sharded_state_dict()`` and ``state_dict()``, as a
-#   checkpoint does) wait for the whole step first, and the checkpoint hooks below wait on the host.
-# The grads need nothing: the step reads copies of them ([Note: Inputs of a step]), so ``zero_grad_buffer()`` may
-# follow at once.
-
-
-def _bucket_groups(d: Any) -> list[Any]:
-    """The bucket groups of ``d``'s model chunks."""
-    return [
-        group
-        for chunk in d.model_chunks
-        for group in [*chunk.bucket_groups, *getattr(chunk, "expert_parallel_bucket_groups", [])]
-    ]
-
-
-def _ranks(group: Any) -> int:
-    return int(group.intra_distributed_optimizer_instance_size)
-
-
-def _gate(d: Any) -> None:
-    """Order Megatron's readers of the param buffer after the chunks they read ([Note: Megatron overlapped step])."""
-    wrapper = d.optimizer
-    views = {p: _shard(d, p) for p in d.model_param_group_index_map}
-    for chunk in d.model_chunks:
-        held = {p: views[p] for p in chunk.parameters() if p in views}
-        if held:
-            wrapper.attach(chunk, views=held)
-            for name in ("parameters", "named_parameters", "state_dict", "sharded_state_dict"):
-                setattr(chunk, name, _JoinFirst(wrapper, getattr(chunk, name)))
-    for group in _bucket_groups(d):
-        shards = [views[p] for bucket in group.buckets for p in bucket.params_list if p in views]
-        if shards:
-            group.start_param_sync = _ParamSync(wrapper, group, shards)
-
-
-class _ParamSync:
-    """A bucket group's ``start_param_sync``, after the chunks of its local shards ([Note: Megatron overlapped
-    step])."""
-
-    def __init__(self, wrapper: ChunkedOffloadOptimizer, group: Any, shards: list[torch.Tensor]) -> None:
-        self._wrapper, self._group, self._shards = weakref.ref(wrapper), group, shards
-
-    def __call__(self, force_sync: bool = False) -> None:
-        group = self._group
-        if _ranks(group) == 1:  # the all-gather of one rank's shard onto itself
-            group.param_gather_dispatched, group.param_gather_handle = True, None
-            if force_sync and group.ddp_config.overlap_param_gather:
-                group._post_param_sync()
-            return
-        wrapper = self._wrapper()
-        if wrapper is not None:
-            wrapper.wait_step(self._shards)
-        type(group).start_param_sync(group, force_sync=force_sync)
-
-
-class _JoinFirst:
-    """A model chunk's method that reads all of its params: it waits for the whole step first."""
-
-    def __init__(self, wrapper: ChunkedOffloadOptimizer, method: Any) -> None:
-        self._wrapper, self._method = weakref.ref(wrapper), method
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        wrapper = self._wrapper()
-        if wrapper is not None:
-            wrapper.wait_step()
-        return self._method(*args, **kwargs)
 
 
 def _reload_mains(self: Any, state_dict: Any = None) -> None:
@@ -242,18 +183,18 @@ def _reload_mains(self: Any, state_dict: Any = None) -> None:
         for group in groups:
             for model_param in group:
                 where = self._get_model_param_range_map(model_param)["param"]
-                shard = source.get(model_param, model_param).detach().view(-1)[where.start : where.end]
-                view = _shard(self, model_param)
-                if not torch.equal(shard.to(view.dtype), view):
+                loaded = source.get(model_param, model_param).detach().view(-1)[where.start : where.end]
+                view = shard(self, model_param)
+                if not torch.equal(loaded.to(view.dtype), view):
                     raise ValueError(
                         "reload_model_params(state_dict): a tensor of the state dict does not round to its model "
                         f"param (shape {tuple(model_param.shape)}), and the wrapper keeps each param the rounding of "
                         "its fp32 master. Load the model params from the same checkpoint first, or call "
                         "reload_model_params() without a state dict"
                     )
-                pairs.append((view, shard))
-    for view, shard in pairs:
-        _set_main(self.optimizer, view, shard)
+                pairs.append((view, loaded))
+    for view, loaded in pairs:
+        _set_main(self.optimizer, view, loaded)
 
 
 def _copy_grads(self: Any) -> None:
@@ -272,35 +213,66 @@ def _set_main(wrapper: ChunkedOffloadOptimizer, view: torch.Tensor, main: torch.
         wrapper.set_master(view, main.detach().to(torch.float32))
 
 
-def _shard(d: Any, model_param: torch.Tensor) -> torch.Tensor:
-    group_index, group_order = d.model_param_group_index_map[model_param]
-    return d.optimizer.param_groups[group_index]["params"][group_order]  # type: ignore[no-any-return]
-
-
 def _get_states(self: Any, model_param: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The default path's checkpoint tensors of ``model_param``'s shard: its fp32 main param and its state."""
-    self.optimizer.synchronize()  # an overlapped step's chunks have written their state back
-    view = _shard(self, model_param)
-    tensors = {"param": view if view.dtype == torch.float32 else self.optimizer.master_of(view)}
-    for key, value in self.optimizer.state[view].items():
+    """The checkpoint tensors of ``model_param``'s shard, as Megatron's resident optimizer gives them: its state in
+    the inner's checkpoint dtypes, and ``param``, its master (TE's ``master_param``, or the fp32 main)."""
+    wrapper = self.optimizer
+    wrapper.synchronize()  # an overlapped step's chunks have written their state back
+    view = shard(self, model_param)
+    tensors = {}
+    for key, value in wrapper.state[view].items():
         if isinstance(value, torch.Tensor):
-            tensors[key] = value
+            tensors[key] = wrapper.adapter.to_checkpoint(key, value)
+    if wrapper.adapter.owns_masters():  # TE's master_param (the precision-aware path)
+        tensors["param"] = tensors.pop("master_param")
+    else:
+        tensors["param"] = view if view.dtype == torch.float32 else wrapper.master_of(view)
     return tensors
 
 
+def _load_state_dict(self: Any, state_dict: Any) -> None:
+    """Megatron's ``load_state_dict``. For an optimizer without state Megatron first makes placeholder state on the
+    GPU for every shard, for the checkpoint to load into, which would not fit where the state was offloaded for want
+    of room: a wrapper that has not stepped gets its placeholders (zeros) in host memory instead, and the checkpoint
+    loads into its host copies."""
+    wrapper = self.optimizer
+    if len(wrapper.state) == 0:
+        te_masters = wrapper.adapter.owns_masters()
+        for group in wrapper.param_groups:
+            for view in group["params"]:
+                stepped = view if te_masters else torch.empty(view.shape, dtype=torch.float32, device="meta")
+                specs = wrapper.adapter.predict_state(stepped, group)
+                wrapper.state[view] = {s.key: torch.zeros(s.shape, dtype=s.dtype) for s in specs}
+    type(self).load_state_dict(self, state_dict)
+
+
 def _set_states(self: Any, model_param: torch.Tensor, tensors: dict[str, Any]) -> None:
-    """Load the default path's checkpoint tensors of ``model_param``'s shard into the wrapper."""
-    view, wrapper = _shard(self, model_param), self.optimizer
+    """Load the checkpoint tensors of ``model_param``'s shard (as :func:`_get_states` gives them) into the wrapper.
+    A tensor of another shape or dtype than the run keeps is refused, as Megatron's own copy would refuse it."""
+    view, wrapper = shard(self, model_param), self.optimizer
     wrapper.synchronize()  # no chunk of an overlapped step writes back over what is loaded
+    te_masters = wrapper.adapter.owns_masters()
+    group = wrapper.param_groups[self.model_param_group_index_map[model_param][0]]
+    specs = {s.key: s for s in wrapper.adapter.predict_state(view, group)} if te_masters else {}
     for key, value in tensors.items():
         # ``step`` comes from the checkpoint's param groups (Megatron's load_state_dict sets it before this runs).
         if not isinstance(value, torch.Tensor) or key == "step":
             continue
-        if key == "param":
+        if key == "param" and not te_masters:
             _set_main(wrapper, view, value)
             continue
+        key = "master_param" if key == "param" else key
+        if key in specs:
+            value = wrapper.adapter.from_checkpoint(key, value, specs[key])  # TE's bf16 moments round as TE's do
         entry = wrapper.state[view]
-        if key in entry and entry[key].shape == value.shape and entry[key].dtype == value.dtype:
-            entry[key].copy_(value)  # into its home
-        else:
+        home = entry.get(key)
+        if home is None:
             entry[key] = value.detach().clone()  # placed in a home by the next step's re-plan
+        elif home.shape == value.shape and home.dtype == value.dtype:
+            home.copy_(value)
+        else:
+            raise ValueError(
+                f"the checkpoint's {key!r} of a shard of shape {tuple(view.shape)} is {value.dtype} "
+                f"{tuple(value.shape)}, where this run keeps {home.dtype} {tuple(home.shape)}: load a checkpoint "
+                "saved with the same optimizer settings (exp_avg_dtype, store_param_remainders, ...)"
+            )
