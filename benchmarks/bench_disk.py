@@ -171,10 +171,10 @@ def tier_pattern(directory: Path, file_nbytes: int, files: int) -> tuple[float, 
 
 
 # ------------------------------------------------------------------------------------------------ one step variant
-def warm_up(device: torch.device, spill_dir: Path) -> None:
+def warm_up(device: torch.device, spill_dir: Path, dim: int) -> None:
     """Load the CUDA context and the kernels the run uses (their images take host memory on first use), through two
-    steps of a small wrapper with a chunk on disk, then drop it: the base of the peak RSS is the process before the
-    wrapper's memory, not before CUDA and the step's code."""
+    steps of a small wrapper with a chunk on disk and of the reference at the run's matrix size, then drop them: the
+    base of the peak RSS is the process before the wrapper's memory, not before CUDA and the step's code."""
     fused = device.type == "cuda"
     gen = torch.Generator(device=device).manual_seed(0)
     params = [torch.nn.Parameter(torch.zeros(64, 64, device=device)) for _ in range(4)]
@@ -188,12 +188,20 @@ def warm_up(device: torch.device, spill_dir: Path) -> None:
     opt.synchronize()
     del opt, params
     torch.randn(64, 64, device=device, dtype=torch.bfloat16) @ torch.randn(64, 64, device=device, dtype=torch.bfloat16)
+    full = make_matrices(2 * dim**2, dim, torch.float32, device)
+    reference = torch.optim.AdamW(full, lr=1e-3, fused=fused)
+    for step in range(2):
+        set_random_grads(full, seed=step)
+        reference.step()
+    torch.equal(full[0], full[1])
+    del reference, full
     synchronize(device)
 
 
 def one_step_variant(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    warm_up(device, args.spill_dir)
-    base = rss()["VmRSS"]
+    warm_up(device, args.spill_dir, args.dim)
+    at_base = rss()
+    base = at_base["VmRSS"]
     params = make_matrices(args.params, args.dim, torch.float32, device)
     reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
     inner = torch.optim.AdamW(params, lr=1e-3, fused=device.type == "cuda")
@@ -237,6 +245,8 @@ def one_step_variant(args: argparse.Namespace, device: torch.device) -> dict[str
         "host_bound": bound,
         "rss_base": base,
         "rss_built": built,
+        "anon_base": at_base["RssAnon"],
+        "file_base": at_base["RssFile"],
         **{k.lower(): v for k, v in rss().items()},
         "exact": exact,
     }
@@ -244,8 +254,9 @@ def one_step_variant(args: argparse.Namespace, device: torch.device) -> dict[str
 
 def capacity_trial(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """bf16 matrices, remainder masters, real forward/backward through the chain, host capped, 2 steps."""
-    warm_up(device, args.spill_dir)
-    base = rss()["VmRSS"]
+    warm_up(device, args.spill_dir, args.dim)
+    at_base = rss()
+    base = at_base["VmRSS"]
     params = make_matrices(args.capacity_params, args.dim, torch.bfloat16, device)
     inner = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
     opt = ChunkedOffloadOptimizer(
@@ -381,6 +392,12 @@ def main() -> int:
             f"{(row['rss_built'] - row['rss_base']) / GiB:>12.2f} "
             f"{row['host_bound'] / GiB:>15.2f} {row['exact']!s:>6}"
         )
+    print("at the end, over the base (GiB): " + "; ".join(
+        f"{row['on_disk'] / max(row['state'], 1):.0%} on disk: anonymous "
+        f"{(row['rssanon'] - row['anon_base']) / GiB:+.3f}, file-backed "
+        f"{(row['rssfile'] - row['file_base']) / GiB:+.3f}"
+        for _share, row, _floor, _tier in rows
+    ))  # fmt: skip
     if args.capacity_params:
         cap = child(args, ["--capacity", "--capacity-params", str(args.capacity_params),
                            "--capacity-host-gib", str(args.capacity_host_gib)])  # fmt: skip
