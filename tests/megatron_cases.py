@@ -295,17 +295,17 @@ def _without_masters(built: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
     return built
 
 
-def wrap_midway(rank: int, world: int, port: int, backend: str, result: Any) -> None:
+def wrap_midway(rank: int, world: int, port: int, backend: str, te: bool, result: Any) -> None:
     """Wrapping after resident steps (mains no longer the params' upcast, moments on the GPU) carries them over: the
     run continues bitwise as the resident one, and the GPU's mains and moments are freed (nothing of Megatron's
-    still holds them)."""
+    still holds them). With ``te``, TE's masters and moments on the precision-aware path."""
     from chunked_offload.integrations.megatron import wrap_megatron_optimizer
 
-    with cuda_on_cpu():
+    with cuda_on_cpu(), _te_if(te):
         _init(rank, world, port)
         runs = []
         for wrap in (False, True):
-            net, ddp, opt = build(False)
+            net, ddp, opt = build(False, te=te)
             trace = [step(ddp, opt, it, rank) for it in range(3)]
             freed = True
             if wrap:
@@ -319,12 +319,12 @@ def wrap_midway(rank: int, world: int, port: int, backend: str, result: Any) -> 
 
 
 def _mains_and_moments(opt: Any) -> list[torch.Tensor]:
-    """The fp32 main shards of the 16-bit params and their moments, as Megatron's resident optimizer holds them."""
+    """The fp32 main shards of the 16-bit params (on the default path) and the inner's state tensors (the moments;
+    TE's masters on the precision-aware path), as Megatron's resident optimizer holds them."""
     found = []
     for d in opt.chained_optimizers:
-        for group in d.shard_fp32_from_float16_groups:
-            for main in group:
-                found += [main, *(v for v in d.optimizer.state[main].values() if v.dim() > 0)]
+        found += [main for group in d.shard_fp32_from_float16_groups for main in group if main is not None]
+        found += [v for entry in d.optimizer.state.values() for v in entry.values() if v.dim() > 0]
     return found
 
 

@@ -104,9 +104,10 @@ def test_overlap_at_two_ranks_without_overlap_param_gather_is_refused() -> None:
         assert "overlap_param_gather=True" in message and unchanged, (rank, message)
 
 
+@pytest.mark.parametrize("te", [False, True], ids=["default", "te"])
 @pytest.mark.parametrize("world", [1, 2])
-def test_wrapping_after_resident_steps_carries_the_mains_and_moments_over(world: int) -> None:
-    assert _spawn(megatron_cases.wrap_midway, world=world) == dict.fromkeys(range(world), True)
+def test_wrapping_after_resident_steps_carries_the_mains_and_moments_over(world: int, te: bool) -> None:
+    assert _spawn(megatron_cases.wrap_midway, te, world=world) == dict.fromkeys(range(world), True)
 
 
 @pytest.mark.parametrize(
