@@ -35,6 +35,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is installed by `make
         # Megatron's precision-aware path: TE's FusedAdam(master_weights=True) keeps the masters
         {"te": True},
         {"te": True, "use_precision_aware_optimizer": False},  # the default path, with TE's FusedAdam as the inner
+        {"te": True, "grad_reduce_in_fp32": False},  # bf16 grads: TE's FusedAdam reads them as they are
         {"te": True, "overlap_param_gather": True, "wrap": {"overlap": True}},
     ],
     ids=[
@@ -46,6 +47,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is installed by `make
         "overlap-fp16",
         "te",
         "te-default-path",
+        "te-bf16-grads",
         "te-overlap",
     ],
 )
