@@ -238,6 +238,7 @@ def check_master_mode(inner: torch.optim.Optimizer, adapter: Adapter, mode: Mast
 
 def check_grads(infos: Sequence[ParamInfo], adapter: Adapter) -> None:
     """Every grad fits its param; checked for all chunks before any is modified."""
+    inner_masters = adapter.owns_masters()
     for info in infos:
         p, grad = info.param, adapter.grad_of(info.param)
         if grad is None:
@@ -248,7 +249,7 @@ def check_grads(infos: Sequence[ParamInfo], adapter: Adapter) -> None:
                 f"{where} has a {grad.layout} gradient; chunked offload stages dense state only. Use dense "
                 "gradients (e.g. nn.Embedding(sparse=False))"
             )
-        fp32_fits = info.has_master or adapter.owns_masters()  # an fp32 grad of a param with an fp32 master: exact
+        fp32_fits = info.has_master or inner_masters  # an fp32 grad of a param with an fp32 master: exact
         dtype_fits = grad.dtype == p.dtype or (fp32_fits and grad.dtype == torch.float32)
         if grad.shape != p.shape or not dtype_fits or grad.device != p.device:
             raise RuntimeError(

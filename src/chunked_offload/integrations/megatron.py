@@ -13,7 +13,10 @@ import torch
 
 from ..adapters import resolve_adapter
 from ..adapters.transformer_engine import is_te_fused_adam
+from ..layout import stepped_like
+from ..masters import MasterMode
 from ..optimizer import ChunkedOffloadOptimizer
+from ..planner import TensorSpec
 from .megatron_overlap import bucket_groups, gate, ranks, shard
 
 __all__ = ["wrap_megatron_optimizer"]
@@ -237,13 +240,18 @@ def _load_state_dict(self: Any, state_dict: Any) -> None:
     loads into its host copies."""
     wrapper = self.optimizer
     if len(wrapper.state) == 0:
-        te_masters = wrapper.adapter.owns_masters()
         for group in wrapper.param_groups:
             for view in group["params"]:
-                stepped = view if te_masters else torch.empty(view.shape, dtype=torch.float32, device="meta")
-                specs = wrapper.adapter.predict_state(stepped, group)
+                specs = _specs(wrapper, view, group).values()
                 wrapper.state[view] = {s.key: torch.zeros(s.shape, dtype=s.dtype) for s in specs}
     type(self).load_state_dict(self, state_dict)
+
+
+def _specs(wrapper: ChunkedOffloadOptimizer, view: torch.Tensor, group: dict[str, Any]) -> dict[str, TensorSpec]:
+    """The state the inner keeps for the shard ``view``, by key: for the tensor it steps, the shard itself where the
+    inner keeps the masters (TE's path), else the shard's fp32 master."""
+    mode = MasterMode.NONE if wrapper.adapter.owns_masters() else MasterMode.FP32
+    return {s.key: s for s in wrapper.adapter.predict_state(stepped_like(view, mode), group)}
 
 
 def _set_states(self: Any, model_param: torch.Tensor, tensors: dict[str, Any]) -> None:
@@ -252,8 +260,7 @@ def _set_states(self: Any, model_param: torch.Tensor, tensors: dict[str, Any]) -
     view, wrapper = shard(self, model_param), self.optimizer
     wrapper.synchronize()  # no chunk of an overlapped step writes back over what is loaded
     te_masters = wrapper.adapter.owns_masters()
-    group = wrapper.param_groups[self.model_param_group_index_map[model_param][0]]
-    specs = {s.key: s for s in wrapper.adapter.predict_state(view, group)} if te_masters else {}
+    specs = _specs(wrapper, view, wrapper.param_groups[self.model_param_group_index_map[model_param][0]])
     for key, value in tensors.items():
         # ``step`` comes from the checkpoint's param groups (Megatron's load_state_dict sets it before this runs).
         if not isinstance(value, torch.Tensor) or key == "step":
@@ -263,7 +270,7 @@ def _set_states(self: Any, model_param: torch.Tensor, tensors: dict[str, Any]) -
             continue
         key = "master_param" if key == "param" else key
         if key in specs:
-            value = wrapper.adapter.from_checkpoint(key, value, specs[key])  # TE's bf16 moments round as TE's do
+            value = wrapper.adapter.from_checkpoint(key, value, specs[key])  # as _get_states' to_checkpoint, back
         entry = wrapper.state[view]
         home = entry.get(key)
         if home is None:
