@@ -25,6 +25,7 @@ an earlier variant left would show here), and whether it is bitwise.
 Commands:
     PYTHONPATH=src:tests:benchmarks python3 benchmarks/bench_megatron.py          # GPU: 0.96 B; CPU: a tiny model
     ... bench_megatron.py --variants wrapped-auto --profile 15    # GPU: where one more iteration's GPU time goes
+    ... bench_megatron.py --variants wrapped-auto --host-profile 30   # where 3 more iterations' host time goes
     ... bench_megatron.py --fused    # Megatron's inner as torch's fused AdamW (one op: resident chunks need no copy)
     ... bench_megatron.py --te       # Megatron's precision-aware path: TE's FusedAdam keeps bf16-remainder masters
 megatron-core 0.19.2 on the GPU: its wheel in .whl/ (``pip download --no-deps megatron-core==0.19.2``).
@@ -173,6 +174,8 @@ def run(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         result["why"] = f"{type(e).__name__}: {e}"
     if args.profile and args.device.type == "cuda":  # one more iteration, after the snapshot: where its time goes
         result["profile"] = profile(functools.partial(iteration, ddp, opt, args.iters, args), args.profile)
+    if args.host_profile:  # more iterations, after the snapshot: where their host time goes
+        result["profile"] = result.get("profile", "") + host_profile(ddp, opt, args)
     del ddp, opt
     free()
     return result
@@ -188,6 +191,48 @@ def profile(call: Any, rows: int) -> str:
         call()
         torch.cuda.synchronize()
     return str(prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows))
+
+
+def host_profile(ddp: Any, opt: Any, args: argparse.Namespace, iters: int = 3) -> str:
+    """Host time: ``opt.step()``'s (returned to the caller) against the iteration's, over ``iters`` more iterations;
+    then, over as many under cProfile, the ``args.host_profile`` functions with the most time of their own, and the
+    library's with the most in all."""
+    import cProfile
+    import io
+    import pstats
+
+    step, spent = opt.step, []
+
+    def timed_step(*a: Any, **k: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return step(*a, **k)
+        finally:
+            spent.append(time.perf_counter() - start)
+
+    def iterations(first: int) -> float:
+        synchronize(args.device)
+        start = time.perf_counter()
+        for it in range(first, first + iters):
+            iteration(ddp, opt, it, args)
+        synchronize(args.device)
+        return (time.perf_counter() - start) / iters
+
+    opt.step = timed_step
+    try:
+        total = iterations(args.iters + 1)
+        prof = cProfile.Profile()
+        with prof:
+            iterations(args.iters + 1 + iters)
+    finally:
+        del opt.step
+    out = io.StringIO()
+    step_ms = statistics.mean(spent[:iters]) * 1e3
+    out.write(f"host: {total * 1e3:.1f} ms/iter, of which opt.step() {step_ms:.1f} ms (without cProfile)\n")
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(args.host_profile)
+    stats.sort_stats("cumulative").print_stats("chunked_offload", args.host_profile)
+    return out.getvalue()
 
 
 def free() -> None:
@@ -228,6 +273,7 @@ def main() -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--fused", action="store_true", help="torch's fused AdamW as Megatron's inner, every variant")
     parser.add_argument("--profile", type=int, default=0, help="GPU: the N ops with most GPU time, one more iteration")
+    parser.add_argument("--host-profile", type=int, default=0, help="the N functions with most host time")
     parser.add_argument("--te", action="store_true", help="Megatron's precision-aware path with TE's FusedAdam")
     args = parser.parse_args()
     if args.te and gpu and importlib.util.find_spec("transformer_engine") is None:
