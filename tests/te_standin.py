@@ -4,9 +4,10 @@ Megatron-Core builds TE's ``FusedAdam(master_weights=True, use_decoupled_grad=Tr
 ``use_precision_aware_optimizer=True``, and insists on importing it. ``standing_in()`` makes Megatron, in this
 process, build this class instead. It keeps what the real one keeps, in the same keys and dtypes (fp32 ``exp_avg``,
 ``exp_avg_sq`` and ``master_param``, the step in ``group["step"]``), reads ``decoupled_grad``, and rounds each master
-into its 16-bit param after the update. Its arithmetic is AdamW's in fp32, the same in a wrapped and a resident run,
-which is all the bitwise tests compare. The wrapper recognizes it by its module, as it does TE's own class.
-tests/cuda/ and benchmarks/bench_megatron.py --te run the real one.
+into its 16-bit param after the update. As TE's, its step calls one kernel per group and kind of param (16-bit with
+masters, the rest), an instance attribute (``multi_tensor_adam``, here torch ops). Its arithmetic is AdamW's in fp32,
+the same in a wrapped and a resident run, which is all the bitwise tests compare. The wrapper recognizes it by its
+module, as it does TE's own class. tests/cuda/ and benchmarks/bench_megatron.py --te run the real one.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class FusedAdam(torch.optim.Optimizer):
             "master_param": master_weight_dtype,
         }
         self._scales: dict[torch.Tensor, Any] = {}
+        self._dummy_overflow_buf = torch.zeros(1, dtype=torch.int)
+        self.multi_tensor_adam = _adam_kernel  # an instance attribute, as TE's kernels are
 
     def initialize_state(self, param: torch.Tensor, store_param_remainders: bool = False) -> None:
         state = self.state[param]
@@ -76,7 +79,7 @@ class FusedAdam(torch.optim.Optimizer):
                 continue
             group["step"] = group.get("step", 0) + 1
             beta1, beta2 = group["betas"]
-            step = group["step"]
+            lists: dict[bool, list[list[torch.Tensor]]] = {}  # 16-bit with masters, and the rest, as TE splits them
             for p in group["params"]:
                 if len(self.state[p]) == 0:
                     self.initialize_state(p)
@@ -84,18 +87,49 @@ class FusedAdam(torch.optim.Optimizer):
                 if grad is None:
                     continue
                 state = self.state[p]
-                master = state["master_param"] if self.master_weights else p
-                grad = grad.float()
-                if self.adam_w_mode:
-                    master.mul_(1 - group["lr"] * group["weight_decay"])
-                else:
-                    grad = grad + group["weight_decay"] * master
-                state["exp_avg"].lerp_(grad, 1 - beta1)
-                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                denom = (state["exp_avg_sq"] / (1 - beta2**step)).sqrt_().add_(group["eps"])
-                master.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / (1 - beta1**step))
-                if master is not p:
-                    p.copy_(master)
+                mastered = self.master_weights and p.dtype != torch.float32
+                tensors = [grad.data, p.data, state["exp_avg"], state["exp_avg_sq"]]
+                tensors += [state["master_param"].data] if mastered else []
+                kind = lists.setdefault(mastered, [[] for _ in tensors])
+                for k, t in enumerate(tensors):
+                    kind[k].append(t)
+            for tensor_lists in lists.values():  # one kernel call per kind, as TE's multi_tensor_applier
+                self.multi_tensor_adam(
+                    2048 * 32, self._dummy_overflow_buf, tensor_lists, group["lr"], beta1, beta2, group["eps"],
+                    group["step"], int(self.adam_w_mode), 1, group["weight_decay"],
+                )  # fmt: skip
+
+
+def _adam_kernel(
+    chunk_size: int,
+    noop: torch.Tensor,
+    lists: list[list[torch.Tensor]],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    step: int,
+    adam_w_mode: int,
+    bias_correction: int,
+    weight_decay: float,
+) -> None:
+    """TE's ``multi_tensor_adam`` in torch ops: lists of grads, params, moments and (with masters) fp32 masters,
+    updated in place, each master rounded into its param."""
+    grads, params, exp_avgs, exp_avg_sqs = lists[:4]
+    masters = lists[4] if len(lists) > 4 else params
+    c1, c2 = (1 - beta1**step, 1 - beta2**step) if bias_correction else (1.0, 1.0)
+    for grad, p, exp_avg, exp_avg_sq, master in zip(grads, params, exp_avgs, exp_avg_sqs, masters, strict=True):
+        grad = grad.float()
+        if adam_w_mode:
+            master.mul_(1 - lr * weight_decay)
+        else:
+            grad = grad + weight_decay * master
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (exp_avg_sq / c2).sqrt_().add_(eps)
+        master.addcdiv_(exp_avg, denom, value=-lr / c1)
+        if master is not p:
+            p.copy_(master)
 
 
 FusedAdam.__module__ = "transformer_engine.pytorch.optimizers.fused_adam"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -216,3 +217,74 @@ def test_the_watch_counts_writes_to_the_chunk_and_its_memory_only() -> None:
         with UpdateWatch([q, *(v for v in adamw.state[q].values() if v.dim())]) as watch:
             adamw.step()
     assert watch.in_one_op
+
+
+def _te_pair(
+    dtype: torch.dtype = torch.bfloat16, **kw: Any
+) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter], ChunkedOffloadOptimizer, list[torch.nn.Parameter]]:
+    """The stand-in for TE's FusedAdam, plain and wrapped with all state resident, over equal params."""
+    from te_standin import FusedAdam
+
+    ref_params, params = make_params(ODD_SHAPES, dtype), make_params(ODD_SHAPES, dtype)
+    ref = FusedAdam(ref_params, lr=1e-2, weight_decay=0.1, **kw)
+    inner = FusedAdam(params, lr=1e-2, weight_decay=0.1, **kw)
+    return ref, ref_params, ChunkedOffloadOptimizer(inner, chunk_size_mb=CHUNK_MB, offload_fraction=0.0), params
+
+
+@pytest.mark.parametrize("master_weights", [False, True], ids=["params", "te-masters"])
+def test_te_fused_adam_steps_resident_chunks_in_its_one_kernel_with_no_copy(
+    monkeypatch: pytest.MonkeyPatch, master_weights: bool
+) -> None:
+    """TE's kernel is an extension's call the dispatcher does not see: the adapter reports it as the one op."""
+    ref, ref_params, opt, params = _te_pair(master_weights=master_weights)
+    run_steps(ref, ref_params, 1)
+    run_steps(opt, params, 1)
+    stepper = internals(opt).placement.pipeline.require_stepper()
+    assert len(opt.plan.all_chunks) >= 3 and all(stepper.in_one_op(c) for c in opt.plan.all_chunks)
+    with _staged_bytes(monkeypatch) as staged, warnings.catch_warnings():
+        warnings.simplefilter("error", ChunkedOffloadWarning)  # no chunk refutes the promise
+        assert_runs_match(ref, ref_params, opt, params, 3, first_step=1)
+    assert staged and sum(staged) == 0
+
+
+def test_te_fused_adam_with_masters_of_fp32_params_takes_the_copy() -> None:
+    """With masters, TE keeps an fp32 param's ``master_param`` but steps the param: that state is not updated."""
+    ref, ref_params, opt, params = _te_pair(torch.float32, master_weights=True)
+    stepper = internals(opt).placement.pipeline.require_stepper()
+    assert not any(stepper.in_one_op(c) for c in opt.plan.all_chunks)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ChunkedOffloadWarning)
+        assert_runs_match(ref, ref_params, opt, params, 3)
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before-kernel", "after-kernel"])
+def test_a_failure_around_te_s_kernel_rolls_the_chunk_back_or_forward(after: bool) -> None:
+    ref, ref_params, opt, params = _te_pair(master_weights=True)
+    chunks = opt.plan.all_chunks
+    run_steps(ref, ref_params, 1)
+    run_steps(opt, params, 1)
+    inner: Any = opt.inner
+    kernel, calls = inner.multi_tensor_adam, []
+
+    def interrupted(*args: Any) -> None:
+        calls.append(1)
+        if len(calls) == 2 and not after:
+            raise KeyboardInterrupt
+        kernel(*args)
+        if len(calls) == 2 and after:
+            raise KeyboardInterrupt
+
+    inner.multi_tensor_adam = interrupted
+    set_grads(params, make_grads(params, 1))
+    with pytest.raises(KeyboardInterrupt) as info:
+        opt.step()
+    inner.multi_tensor_adam = kernel
+    note = "".join(info.value.__notes__)
+    assert ("it was committed too" in note) == after and ("it was rolled back" in note) != after
+    stepped = {i for c in chunks[: 2 if after else 1] for i in c.params}
+    grads = make_grads(ref_params, 1)
+    set_grads(ref_params, [g if i in stepped else None for i, g in enumerate(grads)])
+    ref.step()  # TE's counter advances once, in both: the failed step committed chunks
+    ref.zero_grad()
+    assert_pair_equal(ref, ref_params, opt, params)
+    assert_runs_match(ref, ref_params, opt, params, 2, first_step=2)  # usable, and exact from there

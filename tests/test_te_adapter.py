@@ -58,6 +58,23 @@ def test_predicted_state_follows_te_dtypes_and_masters() -> None:
     assert adapter.owns_masters()
 
 
+@pytest.mark.parametrize(
+    "kw, dtype, one_op",
+    [
+        ({}, torch.bfloat16, True),
+        ({"master_weights": True, "store_param_remainders": True}, torch.bfloat16, True),
+        ({"exp_avg_dtype": torch.bfloat16}, torch.bfloat16, False),  # written back after the kernel
+        ({"master_weights": True}, torch.float32, False),  # the fp32 param's master is kept but not stepped
+        ({}, torch.float32, True),
+    ],
+)
+def test_one_kernel_updates_a_group_only_with_fp32_moments_and_every_master_stepped(
+    kw: dict[str, Any], dtype: torch.dtype, one_op: bool
+) -> None:
+    group = {"params": [torch.nn.Parameter(torch.zeros(3, dtype=dtype))]}
+    assert TEFusedAdamAdapter(_fake(**kw)).updates_in_one_op(group) == one_op
+
+
 def test_checkpoints_use_te_dtypes_both_ways() -> None:
     adapter = TEFusedAdamAdapter(_fake(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16))
     moment = torch.randn(5, 3).bfloat16()

@@ -115,7 +115,7 @@ class ChunkStepper:
                 self._bind(infos, views)
             self.adapter.verify_bound([info.param for info in infos], self.inner.state)
             if one_op:
-                watch = UpdateWatch(self._updated_by_inner(stepped))
+                watch = UpdateWatch(self._updated_by_inner(stepped), reporting=self.adapter.watching)
             counters.before_chunk()
             with record_function("chunked_offload::step_chunk"), watch or contextlib.nullcontext():
                 self.inner_step(chunk, infos, txn)
@@ -135,11 +135,13 @@ class ChunkStepper:
         A resident chunk steps in its homes ([Note: Resident chunks step in place] in pipeline.py); a copy of them
         (24 bytes moved per element for AdamW with fp32 masters) lets a failure roll it back. That copy is not
         needed where the inner updates the chunk in one op after all of its checks (``Adapter.updates_in_one_op``:
-        torch's fused Adam and AdamW run one ``_fused_adam(w)_`` per param group, device and dtype), so such a chunk
-        (resident, one param group, one dtype and device as the inner sees them, masters none or fp32) takes none.
-        ``UpdateWatch``, a dispatch mode around the inner step, tells when that op has returned. A failure before it
-        rolls the chunk back: the homes are untouched (the reconcile of [Note: Edited params] stays, which the next
-        step would apply again), and the counters are restored by value. A failure after it rolls the chunk forward:
+        torch's fused Adam and AdamW run one ``_fused_adam(w)_`` per param group, device and dtype; Transformer
+        Engine's FusedAdam with fp32 moments one multi-tensor kernel), so such a chunk (resident, one param group, one
+        dtype and device as the inner sees them, masters none or fp32) takes none. ``UpdateWatch``, a dispatch mode
+        around the inner step, tells when that op has returned (an extension's kernel, which the dispatcher does not
+        see, is reported to it by the adapter: ``Adapter.watching``). A failure before it rolls the chunk back: the
+        homes are untouched (the reconcile of [Note: Edited params] stays, which the next step would apply again),
+        and the counters are restored by value. A failure after it rolls the chunk forward:
         the stepper completes the chunk (masters rounded into the params, state rebound) and the commit raises the
         failure once the chunk counts as committed; after a failure inside the inner's step it holds what the
         inner left, as plain torch would. A step whose update took more than one op refutes the adapter's promise:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,19 +176,50 @@ class UpdateWatch(TorchDispatchMode):
     A dispatch mode sees every op of the inner's step before its kernel runs and after it returns; it runs each op
     as it comes (the same kernels, the same results). An op writes a tensor where its schema marks the argument
     written (``Tensor(a!)``). A write counts when it reaches a watched tensor or its memory (a view the inner made
-    of one: ``view_as_real``): the storage, not only the object, decides.
+    of one: ``view_as_real``): the storage, not only the object, decides. A kernel the dispatcher does not see (an
+    extension's, called with raw tensors) is one op too, where the adapter reports it (:meth:`kernel`).
 
     Args:
         watched: the tensors the inner updates: the params as it sees them and their state tensors.
+        reporting: entered with the watch: a context in which the inner's extension kernels report to it
+            (``Adapter.watching``).
     """
 
-    def __init__(self, watched: Iterable[torch.Tensor]) -> None:
+    def __init__(
+        self,
+        watched: Iterable[torch.Tensor],
+        reporting: Callable[[UpdateWatch], AbstractContextManager[Any]] | None = None,
+    ) -> None:
         super().__init__()
+        self._reporting: Callable[[UpdateWatch], AbstractContextManager[Any]] | None = reporting
+        self._reported: AbstractContextManager[Any] | None = None
         tensors = list(watched)
         self.watched = {id(t) for t in tensors}
         self.storages = {_storage(t) for t in tensors} - {0}  # empty tensors own no memory
         self.ops = 0  # ops that returned having written a watched tensor
         self.written: set[int] = set()
+        self._tensors = tensors
+        self._inside_kernel = self._wrote_inside = False
+
+    def __enter__(self) -> UpdateWatch:
+        super().__enter__()
+        if self._reporting is not None:
+            reported = self._reporting(self)
+            try:
+                reported.__enter__()
+            except BaseException:
+                super().__exit__(None, None, None)
+                raise
+            self._reported = reported
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        reported, self._reported = self._reported, None
+        try:
+            if reported is not None:
+                reported.__exit__(*exc)
+        finally:
+            super().__exit__(*exc)
 
     @property
     def updated(self) -> bool:
@@ -199,15 +231,45 @@ class UpdateWatch(TorchDispatchMode):
         """Whether one op wrote every watched tensor, and no other op wrote any."""
         return self.ops == 1 and self.written >= self.watched
 
+    def kernel(self, call: Callable[..., Any], written: Sequence[torch.Tensor], *args: Any) -> Any:
+        """Run ``call(*args)``, a kernel that writes ``written`` (objects of their own, such as ``p.data``), as one
+        op: once it returns, its writes count as the op's. What it dispatches inside does not count apart; a kernel
+        that fails counts as the op if a write to the chunk was seen inside it (an extension's own checks come
+        before its writes, which the dispatcher does not see)."""
+        self._inside_kernel, self._wrote_inside = True, False
+        try:
+            out = call(*args)
+        except BaseException:
+            if self._wrote_inside:
+                self._count_kernel(written)
+            raise
+        finally:
+            self._inside_kernel = False
+        self._count_kernel(written)
+        return out
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func._schema.is_mutable:
             written = _written(func, args, kwargs)
-            if any(id(t) in self.watched or _storage(t) in self.storages for t in written):
-                self.ops += 1
-                self.written |= {id(t) for t in written}
+            if self._inside_kernel:
+                self._wrote_inside |= self._reaches(written)
+            else:
+                self._count(written)
         return out
+
+    def _reaches(self, written: Sequence[torch.Tensor]) -> bool:
+        return any(id(t) in self.watched or _storage(t) in self.storages for t in written)
+
+    def _count_kernel(self, written: Sequence[torch.Tensor]) -> None:
+        by_memory = {_memory(t): id(t) for t in self._tensors}
+        self._count([t for t in written if isinstance(t, torch.Tensor)], by_memory)
+
+    def _count(self, written: Sequence[torch.Tensor], by_memory: dict[Any, int] | None = None) -> None:
+        if self._reaches(written):
+            self.ops += 1
+            self.written |= {by_memory.get(_memory(t), id(t)) if by_memory else id(t) for t in written}
 
 
 def _written(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Tensor]:
@@ -220,6 +282,12 @@ def _written(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[tor
         values = value if isinstance(value, (list, tuple)) else [value]
         found += [v for v in values if isinstance(v, torch.Tensor)]
     return found
+
+
+def _memory(t: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two tensor objects the same tensor: their memory, dtype, shape and strides."""
+    t = local(t)
+    return (t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
 
 
 def _storage(t: torch.Tensor) -> int:

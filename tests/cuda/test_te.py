@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import pytest
 import torch
 
-from chunked_offload import ChunkedOffloadOptimizer, GenericAdapter, TEFusedAdamAdapter
-from reference import assert_equal, assert_states_equal, make_grads, make_params, set_grads
+from chunked_offload import ChunkedOffloadOptimizer, ChunkedOffloadWarning, GenericAdapter, TEFusedAdamAdapter
+from reference import assert_equal, assert_states_equal, internals, make_grads, make_params, set_grads
 
 pytestmark = pytest.mark.cuda
 te_optimizers = pytest.importorskip("transformer_engine.pytorch.optimizers")
@@ -73,6 +74,24 @@ def test_te_fused_adam_matches_unwrapped(config: str, chunk_mb: float) -> None:
         for value in opt.state[p].values():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 assert value.device.type == "cpu"  # every state tensor, TE's masters included, is offloaded
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_te_resident_chunks_take_no_copy_where_one_kernel_updates_them(config: str) -> None:
+    """With fp32 moments TE's one kernel call updates a chunk of one group: no rollback copy, and no chunk refutes
+    it (a refutation warns); bf16 moments are written back after the kernel, so those chunks take the copy."""
+    dtype = _dtype(config)
+    ref_params, params = make_params(SHAPES, dtype, "cuda"), make_params(SHAPES, dtype, "cuda")
+    ref = _make(ref_params, **CONFIGS[config])
+    opt = ChunkedOffloadOptimizer(_make(params, **CONFIGS[config]), chunk_size_mb=0.3, offload_fraction=0.0)
+    stepper = internals(opt).placement.pipeline.require_stepper()
+    one_op = [stepper.in_one_op(c) for c in opt.plan.all_chunks]
+    assert any(one_op) == ("bf16" not in str(CONFIGS[config])), one_op
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ChunkedOffloadWarning)
+        _run(ref, ref_params, 20)
+        _run(opt, params, 20)
+    _assert_same(ref, ref_params, opt, params)
 
 
 @pytest.mark.parametrize("config", ["bf16-moments", "param-remainders"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
@@ -71,6 +72,11 @@ class Adapter:
 
     def _one_op(self, group: dict[str, Any]) -> bool:
         return False
+
+    def watching(self, watch: Any) -> contextlib.AbstractContextManager[Any]:
+        """Around a one-op chunk's inner step: report to ``watch`` (``transaction.UpdateWatch.kernel``) each call of
+        a kernel that the dispatcher does not see (an extension's); default: none."""
+        return contextlib.nullcontext()
 
     def predict_state(self, stepped: torch.Tensor, group: dict[str, Any]) -> list[TensorSpec]:
         """Specs of the state that moves for a tensor like ``stepped`` (a meta tensor); 0-dim state excluded."""

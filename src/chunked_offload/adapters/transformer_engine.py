@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -14,6 +15,14 @@ __all__ = ["TEFusedAdamAdapter", "is_te_fused_adam"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 _SUPPORTED_MOMENTS = (torch.float32, torch.bfloat16)
+# The multi-tensor kernels FusedAdam's step calls, as its instance attributes.
+_KERNELS = (
+    "multi_tensor_adam",
+    "multi_tensor_adam_param_remainder",
+    "multi_tensor_adam_fp8",
+    "multi_tensor_adam_capturable",
+    "multi_tensor_adam_capturable_master",
+)
 
 
 def is_te_fused_adam(inner: torch.optim.Optimizer) -> bool:
@@ -68,6 +77,37 @@ class TEFusedAdamAdapter(Adapter):
                 "FusedAdam(capturable=True) is meant to be replayed in a CUDA graph on fixed pointers, but chunked "
                 "offload rebinds every state tensor to staging memory on each step; use capturable=False"
             )
+
+    def _one_op(self, group: dict[str, Any]) -> bool:
+        # With fp32 moments FusedAdam updates a group's params of one dtype, their moments and masters in one call of
+        # a multi-tensor kernel, after its checks ([Note: One-op updates]); bf16 moments are written back after it.
+        # With masters, an fp32 param's ``master_param`` is kept but not stepped (TE steps the param itself).
+        inner: Any = self.inner
+        fp32_moments = inner.exp_avg_dtype == inner.exp_avg_sq_dtype == torch.float32
+        unstepped = inner.master_weights and any(p.dtype == torch.float32 for p in group["params"])
+        return not inner.capturable and fp32_moments and not unstepped
+
+    @contextlib.contextmanager
+    def watching(self, watch: Any) -> Iterator[None]:
+        """FusedAdam's kernels (instance attributes it calls through ``multi_tensor_applier``) report to ``watch``:
+        each call is one op that writes every list but the grads' (the first)."""
+        inner: Any = self.inner
+        kernels = {name: inner.__dict__[name] for name in _KERNELS if name in inner.__dict__}
+
+        def reported(kernel: Callable[..., Any]) -> Callable[..., Any]:
+            def call(chunk_size: int, noop: torch.Tensor, lists: Sequence[Sequence[Any]], *args: Any) -> Any:
+                written = [t for tensors in lists[1:] for t in tensors]
+                return watch.kernel(kernel, written, chunk_size, noop, lists, *args)
+
+            return call
+
+        for name, kernel in kernels.items():
+            setattr(inner, name, reported(kernel))
+        try:
+            yield
+        finally:
+            for name, kernel in kernels.items():
+                setattr(inner, name, kernel)
 
     def owns_masters(self) -> bool:
         return bool(getattr(self.inner, "master_weights", False))
