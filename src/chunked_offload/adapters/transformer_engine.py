@@ -81,11 +81,13 @@ class TEFusedAdamAdapter(Adapter):
     def _one_op(self, group: dict[str, Any]) -> bool:
         # With fp32 moments FusedAdam updates a group's params of one dtype, their moments and masters in one call of
         # a multi-tensor kernel, after its checks ([Note: One-op updates]); bf16 moments are written back after it.
-        # With masters, an fp32 param's ``master_param`` is kept but not stepped (TE steps the param itself).
+        # With masters, an fp32 param's ``master_param`` is kept but not stepped (TE steps the param itself). The
+        # kernel must be an attribute of the instance, where ``watching`` reports its calls.
         inner: Any = self.inner
         fp32_moments = inner.exp_avg_dtype == inner.exp_avg_sq_dtype == torch.float32
         unstepped = inner.master_weights and any(p.dtype == torch.float32 for p in group["params"])
-        return not inner.capturable and fp32_moments and not unstepped
+        kernel = "multi_tensor_adam_param_remainder" if inner.store_param_remainders else "multi_tensor_adam"
+        return not inner.capturable and fp32_moments and not unstepped and kernel in vars(inner)
 
     @contextlib.contextmanager
     def watching(self, watch: Any) -> Iterator[None]:
