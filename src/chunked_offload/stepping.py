@@ -141,11 +141,11 @@ class ChunkStepper:
         around the inner step, tells when that op has returned (an extension's kernel, which the dispatcher does not
         see, is reported to it by the adapter: ``Adapter.watching``). A failure before it rolls the chunk back: the
         homes are untouched (the reconcile of [Note: Edited params] stays, which the next step would apply again),
-        and the counters are restored by value. A failure after it rolls the chunk forward:
-        the stepper completes the chunk (masters rounded into the params, state rebound) and the commit raises the
-        failure once the chunk counts as committed; after a failure inside the inner's step it holds what the
-        inner left, as plain torch would. A step whose update took more than one op refutes the adapter's promise:
-        the wrapper warns, and from then on every resident chunk takes the copy.
+        and the counters are restored by value. A failure after it rolls the chunk forward: the stepper completes the
+        chunk (masters rounded into the params, state rebound) and the commit raises the failure once the chunk
+        counts as committed; after a failure inside the inner's step it holds what the inner left, as plain torch
+        would. A step whose update took more than one op refutes the adapter's promise: the wrapper warns, and from
+        then on every resident chunk takes the copy.
         """
         if chunk.home != Home.DEVICE or self.mode is MasterMode.REMAINDER or not ONE_OP_UPDATES:
             return False
