@@ -174,6 +174,9 @@ def run(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         result["why"] = f"{type(e).__name__}: {e}"
     if args.profile and args.device.type == "cuda":  # one more iteration, after the snapshot: where its time goes
         result["profile"] = profile(functools.partial(iteration, ddp, opt, args.iters, args), args.profile)
+    if args.memory_trace and args.device.type == "cuda":  # one more iteration, after the snapshot: its peak
+        calls = [functools.partial(iteration, ddp, opt, it, args) for it in (args.iters, args.iters + 1)]
+        result["profile"] = memory_trace(lambda: [c() for c in calls], args.memory_trace)
     if args.host_profile:  # more iterations, after the snapshot: where their host time goes
         result["profile"] = result.get("profile", "") + host_profile(ddp, opt, args)
     del ddp, opt
@@ -191,6 +194,59 @@ def profile(call: Any, rows: int) -> str:
         call()
         torch.cuda.synchronize()
     return str(prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows))
+
+
+def memory_trace(call: Any, rows: int) -> str:
+    """What is allocated at the peak of ``call()`` (two iterations: an overlapped step's leftovers show in the second),
+    above what was before it: the ``rows`` places (the innermost
+    frame in this library, Megatron or the benchmark) that allocated the most of it, and how much of that was freed by
+    the host but not yet by the allocator (a block another stream still reads)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(context="all", stacks="python", max_entries=2_000_000)
+    try:
+        call()
+        torch.cuda.synchronize()
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+    def replay(until: int) -> tuple[int, int, dict[int, dict[str, Any]], set[int]]:
+        """Replay the first ``until`` events: the index of the highest level in them, that level, and at the end the
+        blocks still allocated and those of them the host has freed."""
+        live: dict[int, dict[str, Any]] = {}
+        requested: set[int] = set()
+        level = top = top_at = 0
+        for k, event in enumerate(trace[:until]):
+            action, addr = event["action"], event["addr"]
+            if action == "alloc":
+                live[addr] = event
+                level += event["size"]
+                if level > top:
+                    top, top_at = level, k + 1
+            elif action == "free_requested":
+                requested.add(addr)
+            elif action == "free_completed":  # also of blocks allocated before the trace
+                level -= event["size"]
+                live.pop(addr, None)
+                requested.discard(addr)
+        return top_at, top, live, requested & live.keys()
+
+    top_at, top, _, _ = replay(len(trace))
+    _, _, live, pending = replay(top_at)
+    places: dict[str, list[int]] = {}
+    marks = ("chunked_offload", "megatron", "bench_megatron")
+    for event in live.values():
+        frames = event.get("frames", [])
+        frame = next((f for f in frames if any(m in f["filename"] for m in marks)), frames[0] if frames else None)
+        key = f"{frame['filename'].rsplit('/', 2)[-1]}:{frame['line']} {frame['name']}" if frame else "?"
+        entry = places.setdefault(key, [0, 0])
+        entry[0] += event["size"]
+        entry[1] += event["size"] if event["addr"] in pending else 0
+    lines = [f"peak of two iterations: {before / 2**30:.2f} GiB before + {top / 2**30:.2f} GiB; allocated in them:"]
+    for key, (size, freed) in sorted(places.items(), key=lambda kv: -kv[1][0])[:rows]:
+        lines.append(f"  {size / 2**30:7.3f} GiB ({freed / 2**30:.3f} freed by the host, pending)  {key}")
+    return "\n".join(lines)
 
 
 def host_profile(ddp: Any, opt: Any, args: argparse.Namespace, iters: int = 3) -> str:
@@ -274,6 +330,10 @@ def main() -> int:
     parser.add_argument("--fused", action="store_true", help="torch's fused AdamW as Megatron's inner, every variant")
     parser.add_argument("--profile", type=int, default=0, help="GPU: the N ops with most GPU time, one more iteration")
     parser.add_argument("--host-profile", type=int, default=0, help="the N functions with most host time")
+    parser.add_argument(
+        "--memory-trace", type=int, default=0,
+        help="GPU: one more iteration under the allocator's history; the N places with most memory live at its peak",
+    )  # fmt: skip
     parser.add_argument("--te", action="store_true", help="Megatron's precision-aware path with TE's FusedAdam")
     args = parser.parse_args()
     if args.te and gpu and importlib.util.find_spec("transformer_engine") is None:
