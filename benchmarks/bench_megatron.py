@@ -174,7 +174,7 @@ def run(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         result["why"] = f"{type(e).__name__}: {e}"
     if args.profile and args.device.type == "cuda":  # one more iteration, after the snapshot: where its time goes
         result["profile"] = profile(functools.partial(iteration, ddp, opt, args.iters, args), args.profile)
-    if args.memory_trace and args.device.type == "cuda":  # one more iteration, after the snapshot: its peak
+    if args.memory_trace and args.device.type == "cuda" and variant == args.trace_variant:  # after the snapshot
         calls = [functools.partial(iteration, ddp, opt, it, args) for it in (args.iters, args.iters + 1)]
         result["profile"] = memory_trace(lambda: [c() for c in calls], args.memory_trace)
     if args.host_profile:  # more iterations, after the snapshot: where their host time goes
@@ -332,8 +332,10 @@ def main() -> int:
     parser.add_argument("--host-profile", type=int, default=0, help="the N functions with most host time")
     parser.add_argument(
         "--memory-trace", type=int, default=0,
-        help="GPU: one more iteration under the allocator's history; the N places with most memory live at its peak",
+        help="GPU: two more iterations of --trace-variant under the allocator's history; the N places with most "
+        "memory live at their peak",
     )  # fmt: skip
+    parser.add_argument("--trace-variant", default="overlap", help="the variant --memory-trace traces")
     parser.add_argument("--te", action="store_true", help="Megatron's precision-aware path with TE's FusedAdam")
     args = parser.parse_args()
     if args.te and gpu and importlib.util.find_spec("transformer_engine") is None:

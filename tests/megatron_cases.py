@@ -368,3 +368,32 @@ def _raises(call: Any, argument: Any, needle: str) -> bool:
     except ValueError as e:
         return needle in str(e)
     return False
+
+
+def held_zeroing(rank: int, world: int, port: int, backend: str, result: Any) -> None:
+    """With overlap the step reads Megatron's grad buffer in place ([Note: Megatron overlapped step]): a zeroing of
+    the buffer with no forward after it (a step of zero grads) still runs before Megatron's next read, bitwise with
+    the resident run; a write to the grads after ``step()`` and before the next forward's end is refused there."""
+    options = {"overlap": True}
+    with cuda_on_cpu():
+        _init(rank, world, port)
+        runs = []
+        for wrap in (False, options):
+            net, ddp, opt = build(wrap, overlap_param_gather=world > 1)
+            trace = [step(ddp, opt, it, rank) for it in range(3)]
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            trace.append(opt.step())
+            trace += [step(ddp, opt, it, rank) for it in range(3, 5)]
+            runs.append((trace, snapshot(ddp, opt)))
+        net, ddp, opt = build(options, overlap_param_gather=world > 1)
+        for it in range(3):
+            step(ddp, opt, it, rank)
+        for p in ddp.module.parameters():
+            p.main_grad.mul_(2)  # after step(): the step has still to read them
+        try:
+            step(ddp, opt, 3, rank)
+            refused = ""
+        except RuntimeError as e:
+            refused = str(e)
+        result[rank] = (runs[0][0] == runs[1][0] and same(runs[0][1], runs[1][1]), refused)

@@ -66,6 +66,7 @@ ORDER = [
     "waits",
     "compiled",
     "fsdp",
+    "handles",
     "hooks",
     "state_dict",
     "wiring",

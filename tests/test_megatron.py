@@ -119,3 +119,10 @@ def test_wrapping_after_resident_steps_carries_the_mains_and_moments_over(world:
 def test_reload_model_params_makes_the_mains_the_loaded_params(world: int, overlap: bool, fp32_source: bool) -> None:
     result = _spawn(megatron_cases.reload_params, overlap, fp32_source, world=world)
     assert result == dict.fromkeys(range(world), True)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_overlap_reads_the_grad_buffer_in_place_and_refuses_a_write_before_the_step_read_it(world: int) -> None:
+    for rank, (same, refused) in _spawn(megatron_cases.held_zeroing, world=world).items():
+        assert same, f"rank {rank}: a zeroing with no forward after it is not bitwise with the resident run"
+        assert "was written after step() returned and before the step had read it" in refused, (rank, refused)

@@ -71,6 +71,10 @@ class Runtime(Protocol):
 
     def attached(self, handle: int, params: list[torch.Tensor] | None) -> None: ...
 
+    def keep_grads(self, keep: bool) -> None: ...
+
+    def hold(self, write: Callable[[], None]) -> None: ...
+
 
 class Hook:
     """A hook the wrapper puts on a module or a param, holding the step runtime weakly.

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import itertools
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from . import compiled, fsdp
 from .callbacks import Call, Hook, Runtime, opaque, run_eagerly_at_the_top
-from .grad_hooks import GradHooks
+from .handles import AttachHandle, HookSet
 
 __all__ = ["AttachHandle", "HookSet", "attach"]
 
@@ -251,72 +250,3 @@ def _gates(model: torch.nn.Module, managed: set[int], blocks: bool) -> dict[torc
 
 def _own(module: torch.nn.Module) -> list[torch.Tensor]:
     return [p for p in module._parameters.values() if p is not None]
-
-
-class AttachHandle:
-    """What ``opt.attach(model)`` returns: ``remove()`` takes the hooks off again.
-
-    ``len()`` is the number of modules whose forward waits for its params.
-    """
-
-    _serials = itertools.count()
-
-    def __init__(
-        self,
-        gated: int,
-        handles: list[Any],
-        restore: Callable[[], None],
-        runtime: weakref.ref[Runtime],
-        key: int,
-    ) -> None:
-        self.serial = next(self._serials)
-        self._gated = gated
-        self._handles = handles
-        self._restore: Callable[[], None] | None = restore  # gives the gated modules their classes back
-        self._runtime = runtime
-        self._key = key  # what traced gates tell ([Note: Gates in compiled graphs])
-
-    def __len__(self) -> int:
-        return self._gated
-
-    def remove(self) -> None:
-        if self._restore is None:
-            return
-        target = self._runtime()
-        if target is not None:
-            target.attached(self.serial, None)
-            target.flush()  # nothing will ask for the deferred chunks any more
-        for h in self._handles:
-            h.remove()
-        if self._restore is not None:
-            self._restore()
-        compiled.forget(self._key)
-        self._handles, self._restore = [], None
-
-
-class HookSet:
-    """Every hook one wrapper has put on modules and params; ``release`` takes them all off.
-
-    The wrapper's finalizer calls ``release`` when the wrapper is dropped, so a dropped wrapper leaves no hook behind
-    (a hook of a dropped wrapper would cost every forward and backward, and step nothing). It holds nothing that
-    holds the wrapper.
-    """
-
-    def __init__(self, grad_hooks: GradHooks) -> None:
-        self.grad_hooks = grad_hooks
-        self._handles: list[AttachHandle] = []
-
-    def add(self, handle: AttachHandle) -> AttachHandle:
-        self._handles.append(handle)
-        return handle
-
-    def release(self, runtime: Any = None) -> None:
-        """Land what the step left (``runtime.synchronize()``), then take every hook off."""
-        try:
-            if runtime is not None:
-                runtime.synchronize()
-        finally:
-            self.grad_hooks.remove()
-            for handle in self._handles:
-                handle.remove()
-            self._handles.clear()

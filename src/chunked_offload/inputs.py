@@ -9,7 +9,7 @@ import torch
 
 from .dtensor import local, rewrap
 
-__all__ = ["GradComparison", "GradRecord", "GroupSnapshot", "OwnedGrads", "ParamWatch", "fingerprints"]
+__all__ = ["GradComparison", "GradRecord", "GroupSnapshot", "KeptGrads", "OwnedGrads", "ParamWatch", "fingerprints"]
 
 # [Note: Inputs of a step]
 # A step that runs, or finishes, after the caller's code has moved on reads what that code may change next. Each mode
@@ -21,7 +21,12 @@ __all__ = ["GradComparison", "GradRecord", "GroupSnapshot", "OwnedGrads", "Param
 #   free its grads at once, in place or not (1 device copy of those grads, freed as their chunks step). A param
 #   written in place between step() and its chunk's update (weight clipping, ``p.copy_``) would be updated on top of
 #   the write, where plain torch writes over the update: ``ParamWatch`` compares version counters and refuses before
-#   that chunk steps, or at the next read, with the call to make first (``opt.wait_step()``).
+#   that chunk steps, or at the next read, with the call to make first (``opt.wait_step()``). Where the code around
+#   the wrapper declares the one write it makes to the grads before the next forward (Megatron's reset of its grad
+#   buffer, ``AttachHandle.zero_grads_with``), the step reads them in place instead, with no copy beside the
+#   forward: that write is held until the caller's stream is ordered after the whole step (the attached model's
+#   forward end joins it), and ``KeptGrads`` refuses, at that join, a grad written in place in between (a write
+#   through ``.data`` is not seen).
 # - step_in_backward=True: each chunk steps during the backward, before the caller's code between backward() and
 #   step() has run. ``GradRecord`` keeps a fingerprint of every grad a chunk read (the sum of its bits as 64-bit
 #   words, modulo 2**64: a change to any one element always shows, changes to several escape only if their
@@ -72,8 +77,12 @@ class OwnedGrads:
         self._keep_alive = keep_alive
         self.grads: dict[int, torch.Tensor] = {}  # param index -> the step's own copy of its grad
 
-    def take(self, grads: Sequence[tuple[int, torch.Tensor]]) -> None:
-        """Copy ``(param index, grad)`` on the current stream: the step reads the copies from now on."""
+    def take(self, grads: Sequence[tuple[int, torch.Tensor]], *, copy: bool = True) -> None:
+        """Copy ``(param index, grad)`` on the current stream: the step reads the copies from now on. Without
+        ``copy`` the step reads the grads themselves (``KeptGrads`` watches them)."""
+        if not copy:
+            self.grads.update(grads)
+            return
         if not grads:
             return
         sources = [local(g).detach() for _, g in grads]
@@ -113,18 +122,20 @@ class ParamWatch:
             self._params[i] = (p, _versions(p))
 
     def check(self, indices: Iterable[int] | None = None) -> None:
-        """Refuse if a watched param (of ``indices``, or any) was written since it was recorded."""
+        """Refuse if a watched tensor (of ``indices``, or any) was written since it was recorded."""
         for i in self._params if indices is None else indices:
             entry = self._params.get(i)
             if entry is not None and _versions(entry[0]) != entry[1]:
-                p = entry[0]
                 self._params.clear()
-                raise RuntimeError(
-                    f"param {i} (shape {tuple(p.shape)}) was written in place after step() returned and before its "
-                    "update had run (overlap=True): plain torch would write over the update, the overlapped step "
-                    "would update the written value. Call opt.wait_step() before writing params outside the "
-                    "forward (weight clipping, copies into params)"
-                )
+                raise RuntimeError(self._refusal(i, entry[0]))
+
+    def _refusal(self, index: int, p: torch.Tensor) -> str:
+        return (
+            f"param {index} (shape {tuple(p.shape)}) was written in place after step() returned and before its "
+            "update had run (overlap=True): plain torch would write over the update, the overlapped step would "
+            "update the written value. Call opt.wait_step() before writing params outside the forward (weight "
+            "clipping, copies into params)"
+        )
 
     def settle(self) -> None:
         """Check every watched param, then watch none: the caller is ordered after their updates from here on."""
@@ -142,6 +153,56 @@ class ParamWatch:
 
     def __len__(self) -> int:
         return len(self._params)
+
+
+class KeptGrads(ParamWatch):
+    """The grads an overlapped step reads where they are, with no copies ([Note: Inputs of a step]), and the writes
+    to them the caller's code has asked to hold until the step has read them.
+
+    Used where the code around the wrapper declares the one write it makes to its grads before the next forward
+    (``AttachHandle.zero_grads_with``: Megatron's reset of its grad buffer): that write is held (``hold``) until the
+    caller's stream is ordered after the whole step, and any other write to a kept grad is refused when the step is
+    joined (``settle``), before the grads are read again.
+
+    Args:
+        join: orders the caller's stream after the whole last step.
+    """
+
+    def __init__(self, join: Callable[[], None]) -> None:
+        super().__init__()
+        self._join = join
+        self._held: list[Callable[[], None]] = []
+
+    def hold(self, write: Callable[[], None]) -> None:
+        """Run ``write`` (on the caller's stream) once no step reads the kept grads: now, or at the next join."""
+        if self._params or self._held:
+            self._held.append(write)
+        else:
+            write()
+
+    def settle(self) -> None:
+        """Refuse a kept grad written since the step kept it; then, after the whole step, run the held writes."""
+        try:
+            self.check()
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Keep no grad any more: the caller's stream waits for the step, then the held writes run."""
+        self._params.clear()
+        if self._held:
+            self._join()
+            held, self._held = self._held, []
+            for write in held:
+                write()
+
+    def _refusal(self, index: int, p: torch.Tensor) -> str:
+        return (
+            f"the grad of param {index} (shape {tuple(p.shape)}) was written after step() returned and before the "
+            "step had read it (overlap=True, grads read in place): the step would read the written value, plain "
+            "torch the one it had. Its zeroing waits for the step; write grads only after the attached model's "
+            "forward, or call opt.wait_step() first"
+        )
 
 
 class GradRecord:

@@ -168,6 +168,7 @@ class StepRunner:
         """Before a step opens: deferred chunks go first, the layout is brought up to date, resident state is back."""
         self.flush()
         self.schedule.watch.settle()
+        self.schedule.kept.settle()  # the last step's kept grads are read: their held writes run before this one's
         with self.installing():
             self.context.prepare()
             self.placement.reload(non_blocking=False)  # a no-op unless offloaded
@@ -301,6 +302,7 @@ class StepRunner:
         self.flush()
         self.gate.join()
         self.schedule.watch.settle()  # the caller's stream is ordered after every update now
+        self.schedule.kept.settle()
 
     def synchronize(self) -> None:
         """Block the host until the last step's updates and write-backs have landed."""

@@ -14,7 +14,7 @@ from torch.autograd.profiler import record_function
 from .adapters import Adapter
 from .context import GroupCounters, OpenStep
 from .failures import note_failure
-from .inputs import OwnedGrads, ParamWatch
+from .inputs import KeptGrads, OwnedGrads, ParamWatch
 from .pipeline import ChunkPipeline, Event, Pending
 from .planner import Chunk, Home
 from .telemetry import CHUNK_SCOPE, StepRecord
@@ -134,6 +134,8 @@ class StepSchedule:
         self.device = device
         self.deferred: _Run | None = None  # a step whose last chunks are not enqueued yet
         self.watch = ParamWatch()  # params updated after step() returned, not read by a forward since
+        self.kept = KeptGrads(pipeline.gate.join)  # grads read in place, while any ([Note: Inputs of a step])
+        self.keep_grads = False  # an overlapped step reads its grads in place, not copies
         self.reads = ReadOrder()
 
     def run(
@@ -171,7 +173,10 @@ class StepSchedule:
         later = (eager if pipeline.gate.stream is not None else head) if own else len(chunks)
         try:
             # On the caller's stream, before the step stream waits for it: the copies read the grads as they are now.
-            run.owned.take([(i, g) for c in run.chunks[later:] for i, g in pipeline.grads(c)])
+            grads = [(i, g) for c in run.chunks[later:] for i, g in pipeline.grads(c)]
+            run.owned.take(grads, copy=not self.keep_grads)
+            if self.keep_grads:
+                self.kept.record(grads)
             run.events = events if events is not None else pipeline.start(chunks, fresh, pipeline.lookahead)
         except BaseException as exc:
             self._fail(run, exc)
@@ -208,6 +213,7 @@ class StepSchedule:
         try:
             run.position = run.next  # a refusal: nothing of it ran
             self.watch.check(ran)
+            self.kept.check(ran)
         except BaseException as exc:
             self._fail(run, exc)
             raise
@@ -301,6 +307,7 @@ class StepSchedule:
         self.watch.forget()  # a rollback writes params too; what is committed from here on the caller's stream sees
         if self.pipeline.abort(run.pending):
             run.committed += 1
+        self.kept.release()  # its held writes run after whatever the step enqueued
         chunk = run.chunks[run.position] if run.position >= 0 else None
         total = len(self.pipeline.require_layout().plan.all_chunks)
         note_failure(exc, chunk, run.position, run.committed, total, len(run.chunks))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -71,6 +71,16 @@ class StepWaits:
         else:
             self.gate.gated[handle] = params
             self.schedule.reads.start()
+
+    def keep_grads(self, keep: bool) -> None:
+        """Whether an overlapped step reads its grads in place, not copies ([Note: Inputs of a step])."""
+        if not keep:
+            self.runner.join()  # what the last step kept is read; its held writes run
+        self.schedule.keep_grads = keep
+
+    def hold(self, write: Callable[[], None]) -> None:
+        """Run ``write`` to the grads once no step reads them in place: now, or when the step is joined."""
+        self.schedule.kept.hold(write)
 
     # ------------------------------------------------------------------ what the wrapper's methods call
     def synchronize(self) -> None:

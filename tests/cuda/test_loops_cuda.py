@@ -108,3 +108,42 @@ def test_ddp_on_one_gpu_steps_in_the_backward_bitwise_and_refuses_attach() -> No
         mp.spawn(dist_cases.ddp_in_backward_one_gpu, args=(1, _free_port(), "nccl", result), nprocs=1, join=True)
         message = result[0]
     assert "DistributedDataParallel model with step_in_backward=True" in message
+
+
+def _train_on_a_grad_buffer(overlap: bool) -> list[torch.Tensor]:
+    """Grads accumulated in place into one buffer, zeroed as each iteration starts (Megatron's loop); with
+    ``overlap`` the zeroing goes through the attach handle, and the step reads the buffer in place."""
+    torch.manual_seed(0)
+    model = _Mlp().to("cuda")
+    buffer = torch.zeros(sum(p.numel() for p in model.parameters()), device="cuda")
+    start = 0
+    for p in model.parameters():
+        p.grad, start = buffer[start : start + p.numel()].view_as(p), start + p.numel()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    opt: Any = inner
+    zero: Callable[[], Any] = buffer.zero_
+    if overlap:
+        opt = ChunkedOffloadOptimizer(inner, chunk_size_mb=4, overlap=True)
+        zero = opt.attach(model).zero_grads_with(buffer.zero_)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for _ in range(5):
+        zero()  # right after step(): the slowed chunks have not read the grads yet
+        x = torch.randn(256, 1024, device="cuda", generator=gen)
+        model(x).float().square().mean().backward()
+        end = buffer.data_ptr() + buffer.nbytes  # the grads were accumulated in place
+        assert all(buffer.data_ptr() <= p.grad.data_ptr() < end for p in model.parameters())
+        opt.step()
+    if overlap:
+        opt.wait_step()
+    torch.cuda.synchronize()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_grads_read_in_place_are_zeroed_only_after_the_overlapped_step_read_them() -> None:
+    """[Note: Inputs of a step]: with ``AttachHandle.zero_grads_with`` the step keeps no copy of the grads; the zeroing
+    of the buffer waits for the forward's end, after every chunk's step (each slowed by about 10 ms)."""
+    reference = _train_on_a_grad_buffer(False)
+    with slowed_chunk_steps():
+        got = _train_on_a_grad_buffer(True)
+    for i, (a, b) in enumerate(zip(reference, got, strict=True)):
+        assert_equal(a, b, f"param {i}")

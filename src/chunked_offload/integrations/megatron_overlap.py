@@ -25,8 +25,10 @@ __all__ = ["bucket_groups", "gate", "ranks", "shard"]
 # - reads of the whole model outside the forward (``parameters()`` and ``named_parameters()``, as
 #   ``calc_params_l2_norm`` for --log-params-norm reads them; ``sharded_state_dict()`` and ``state_dict()``, as a
 #   checkpoint does) wait for the whole step first, and the checkpoint hooks below wait on the host.
-# The grads need nothing: the step reads copies of them ([Note: Inputs of a step]), so ``zero_grad_buffer()`` may
-# follow at once.
+# The step reads the grads in place, in Megatron's grad buffer ([Note: Inputs of a step]): no copy of them lives
+# beside the next forward. Megatron writes them once before that forward's end, in ``zero_grad_buffer()`` as the
+# iteration starts: each buffer's reset is held until the step is joined (the model chunk's forward end, or the next
+# ``prepare_grads()``, Megatron's first read of them), and any other write to them before then is refused there.
 
 
 def bucket_groups(d: Any) -> list[Any]:
@@ -49,9 +51,12 @@ def gate(d: Any) -> None:
     for chunk in d.model_chunks:
         held = {p: views[p] for p in chunk.parameters() if p in views}
         if held:
-            wrapper.attach(chunk, views=held)
+            handle = wrapper.attach(chunk, views=held)
             for name in ("parameters", "named_parameters", "state_dict", "sharded_state_dict"):
                 setattr(chunk, name, _JoinFirst(wrapper, getattr(chunk, name)))
+            for buffer in [*chunk.buffers, *getattr(chunk, "expert_parallel_buffers", [])]:
+                buffer.reset = handle.zero_grads_with(buffer.reset)  # another wrapper's, where it holds one too
+    d.prepare_grads = _JoinFirst(wrapper, d.prepare_grads)  # its first read of the grads
     for group in bucket_groups(d):
         shards = [views[p] for bucket in group.buckets for p in bucket.params_list if p in views]
         if shards:
