@@ -373,7 +373,8 @@ def _raises(call: Any, argument: Any, needle: str) -> bool:
 def held_zeroing(rank: int, world: int, port: int, backend: str, result: Any) -> None:
     """With overlap the step reads Megatron's grad buffer in place ([Note: Megatron overlapped step]): a zeroing of
     the buffer with no forward after it (a step of zero grads) still runs before Megatron's next read, bitwise with
-    the resident run; a write to the grads after ``step()`` and before the next forward's end is refused there."""
+    the resident run, and so does a free of the buffer right after ``step()`` (``offload_grad_buffers()``, the RL
+    path); a write to the grads after ``step()`` and before the next forward's end is refused there."""
     options = {"overlap": True}
     with cuda_on_cpu():
         _init(rank, world, port)
@@ -384,7 +385,10 @@ def held_zeroing(rank: int, world: int, port: int, backend: str, result: Any) ->
             ddp.zero_grad_buffer()
             opt.zero_grad()
             trace.append(opt.step())
-            trace += [step(ddp, opt, it, rank) for it in range(3, 5)]
+            trace.append(step(ddp, opt, 3, rank))
+            ddp.offload_grad_buffers(synchronize=False)  # the RL path, right after step(): the buffer is freed
+            ddp.restore_grad_buffers(synchronize=False)
+            trace += [step(ddp, opt, it, rank) for it in range(4, 6)]
             runs.append((trace, snapshot(ddp, opt)))
         net, ddp, opt = build(options, overlap_param_gather=world > 1)
         for it in range(3):

@@ -29,6 +29,7 @@ __all__ = ["bucket_groups", "gate", "ranks", "shard"]
 # beside the next forward. Megatron writes them once before that forward's end, in ``zero_grad_buffer()`` as the
 # iteration starts: each buffer's reset is held until the step is joined (the model chunk's forward end, or the next
 # ``prepare_grads()``, Megatron's first read of them), and any other write to them before then is refused there.
+# ``offload_grad_buffers()`` (the RL path frees the grad buffer) joins the step first.
 
 
 def bucket_groups(d: Any) -> list[Any]:
@@ -52,7 +53,7 @@ def gate(d: Any) -> None:
         held = {p: views[p] for p in chunk.parameters() if p in views}
         if held:
             handle = wrapper.attach(chunk, views=held)
-            for name in ("parameters", "named_parameters", "state_dict", "sharded_state_dict"):
+            for name in ("parameters", "named_parameters", "state_dict", "sharded_state_dict", "offload_grad_buffers"):
                 setattr(chunk, name, _JoinFirst(wrapper, getattr(chunk, name)))
             for buffer in [*chunk.buffers, *getattr(chunk, "expert_parallel_buffers", [])]:
                 buffer.reset = handle.zero_grads_with(buffer.reset)  # another wrapper's, where it holds one too
