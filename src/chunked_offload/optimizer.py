@@ -227,8 +227,9 @@ class ChunkedOffloadOptimizer(InnerView):
 
         Needed with ``overlap=True``: ``step()`` then returns before its chunks finish, and the next forward
         overlaps them ([Note: Overlapped step]). ``model.state_dict()`` and ``model.load_state_dict()`` wait for the
-        step too. Returns a handle whose ``remove()`` takes the hooks off. Any other read of a param outside the
-        forward of a module that holds it needs ``opt.wait_step()`` first (docs/modes.md lists them).
+        step too. Returns a handle whose ``remove()`` takes the hooks off (``zero_grads_with()``: the step reads
+        grads zeroed in place without copying them). Any other read of a param outside the forward of a module that
+        holds it needs ``opt.wait_step()`` first (docs/modes.md lists them).
         ``blocks=True`` gates each repeated block (a transformer layer) as a whole. ``views`` maps a param of the
         model to the optimizer param that views its memory (a shard, as Megatron's DistributedOptimizer steps).
         """
