@@ -123,6 +123,8 @@ class ParamWatch:
 
     def check(self, indices: Iterable[int] | None = None) -> None:
         """Refuse if a watched tensor (of ``indices``, or any) was written since it was recorded."""
+        if not self._params:  # the common case: nothing watched (every deferred chunk's enqueue asks)
+            return
         for i in self._params if indices is None else indices:
             entry = self._params.get(i)
             if entry is not None and _versions(entry[0]) != entry[1]:
@@ -142,7 +144,11 @@ class ParamWatch:
         try:
             self.check()
         finally:
-            self._params.clear()
+            self.release()
+
+    def release(self) -> None:
+        """Watch none."""
+        self._params.clear()
 
     def forget(self, indices: Iterable[int] | None = None) -> None:
         if indices is None:
@@ -162,7 +168,7 @@ class KeptGrads(ParamWatch):
     Used where the code around the wrapper declares the one write it makes to its grads before the next forward
     (``AttachHandle.zero_grads_with``: Megatron's reset of its grad buffer): that write is held (``hold``) until the
     caller's stream is ordered after the whole step, and any other write to a kept grad is refused when the step is
-    joined (``settle``), before the grads are read again.
+    joined (``settle``: the check, then ``release``), before the grads are read again.
 
     Args:
         join: orders the caller's stream after the whole last step.
@@ -179,13 +185,6 @@ class KeptGrads(ParamWatch):
             self._held.append(write)
         else:
             write()
-
-    def settle(self) -> None:
-        """Refuse a kept grad written since the step kept it; then, after the whole step, run the held writes."""
-        try:
-            self.check()
-        finally:
-            self.release()
 
     def release(self) -> None:
         """Keep no grad any more: the caller's stream waits for the step, then the held writes run."""

@@ -172,7 +172,8 @@ class StepSchedule:
         head = len(chunks) if not defer or any(fresh) else min(len(chunks), eager + slots)
         later = (eager if pipeline.gate.stream is not None else head) if own else len(chunks)
         try:
-            # On the caller's stream, before the step stream waits for it: the copies read the grads as they are now.
+            # On the caller's stream, before the step stream waits for it: the copies read the grads as they are now
+            # (kept grads are read in place, their writes held: [Note: Inputs of a step]).
             grads = [(i, g) for c in run.chunks[later:] for i, g in pipeline.grads(c)]
             run.owned.take(grads, copy=not self.keep_grads)
             if self.keep_grads:
