@@ -269,6 +269,7 @@ def one_step_variant(args: argparse.Namespace, device: torch.device) -> dict[str
         "disk_written": last.disk_written_bytes,
         "disk_gbps": last.disk_gbps,
         "disk_exposed_s": last.disk_exposed_seconds,
+        "disk_checksum_s": last.disk_checksum_seconds,
         "state": plan.host_nbytes + plan.disk_nbytes,
         "on_disk": plan.disk_nbytes,
         "host_bound": bound,
@@ -405,11 +406,14 @@ def main() -> int:
     print(
         "\nfloor: the link's, or the disk's read then written bytes at the rates above; x direct: against the larger "
         "of the bytes read over the O_DIRECT read rate and the bytes written over the tier's write rate (both at "
-        "once); x at once: the same with the rates the disk gave while reading and writing at once"
+        "once); x at once: the same with the rates the disk gave while reading and writing at once; checksum: the step "
+        "against the same share with the checksums off; sum waits: the time the disk's reads and writes waited for "
+        "their checksums, a share of the step"
     )
     print(f"{'on disk':>8} {'step s':>8} {'floor s':>8} {'x floor':>8} {'bound':>5} {'x direct':>8} {'x at once':>9} "
           f"{'disk GB/s':>9} "
-          f"{'exposed':>8} {'checksum':>8} {'peak RSS - base GiB':>20} {'built - base':>12} {'host bound GiB':>15} "
+          f"{'exposed':>8} {'checksum':>8} {'sum waits':>9} {'peak RSS - base GiB':>20} {'built - base':>12} "
+          f"{'host bound GiB':>15} "
           f"{'exact':>6}")  # fmt: skip
     for _share, row, floor, tier in rows:
         peak = (row["vmhwm"] - row["rss_base"]) / GiB
@@ -419,7 +423,8 @@ def main() -> int:
             f"{row['on_disk'] / max(row['state'], 1):>8.0%} {row['step_s']:>8.3f} {floor:>8.3f} "
             f"{row['step_s'] / floor if floor else float('nan'):>8.2f} {tier:>5} {direct:>8.2f} "
             f"{row['step_s'] / row['at_once_floor'] if row['at_once_floor'] else float('nan'):>9.2f} "
-            f"{row['disk_gbps']:>9.2f} {row['disk_exposed_s']:>8.3f} {cost:>8} {peak:>20.2f} "
+            f"{row['disk_gbps']:>9.2f} {row['disk_exposed_s']:>8.3f} {cost:>8} "
+            f"{row['disk_checksum_s'] / row['step_s']:>9.2%} {peak:>20.2f} "
             f"{(row['rss_built'] - row['rss_base']) / GiB:>12.2f} "
             f"{row['host_bound'] / GiB:>15.2f} {row['exact']!s:>6}"
         )

@@ -11,6 +11,7 @@ import gc
 import io
 import mmap
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 
+import chunked_offload.bounced as bounced_module
 import chunked_offload.disk as disk_module
 import chunked_offload.spill as spill_module
 from chunked_offload import ChunkedOffloadOptimizer
@@ -74,6 +76,25 @@ def test_every_mode_is_bitwise_with_state_on_disk(tmp_path: Path, mode: str, mas
     assert stats.disk_read_bytes == stats.disk_written_bytes == opt.plan.disk_nbytes  # every chunk stepped
     files = spill_files(tmp_path)
     assert [f.suffix for f in files] == [".bin"] * len(opt.plan.disk_chunks)  # no stray .tmp
+
+
+def test_the_disk_reports_how_long_it_waited_for_its_checksums(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``disk_checksum_seconds`` is the checksums' cost on the disk's path (bench_disk's "sum waits"): a read sums
+    its last piece itself, after the bytes are in."""
+    model, opt = build("sync", "fp32", spill_dir=tmp_path, host_budget_mb=budget_for(build("sync")[1].plan, 0.9))
+    train(model, opt, range(2))
+    assert opt.stats is not None
+    fast = opt.stats.disk_checksum_seconds
+    real, delay = bounced_module.checksum, 0.01
+
+    def slow(data: torch.Tensor, value: int = 0) -> int:
+        time.sleep(delay)
+        return real(data, value)
+
+    monkeypatch.setattr(bounced_module, "checksum", slow)
+    train(model, opt, range(2, 3))
+    assert opt.stats.disk_read_bytes == opt.plan.disk_nbytes
+    assert fast < len(opt.plan.disk_chunks) * delay <= opt.stats.disk_checksum_seconds
 
 
 def _takes_o_direct(directory: Path) -> bool:

@@ -47,7 +47,7 @@ class _Bounce:
             start = -raw.data_ptr() % ALIGN
             self.buffer = raw[start : start + nbytes]
         self.chunk: int | None = None  # the chunk whose bytes it holds (or is reading)
-        self.read: Future[tuple[float, int]] | None = None
+        self.read: Future[tuple[float, int, float]] | None = None
         self.version = 0  # of the chunk's homes when its read began: a write into them after makes the read stale
         self.staged = False  # a stage copies from it: its write-back lands in it; not evicted
 
@@ -187,16 +187,18 @@ class BouncedStore:
         expected = recorded[0] if recorded is not None and recorded[1] == bounce.version else None
         bounce.read = self._pool.submit(self._verified_read, index, out, expected)
 
-    def _verified_read(self, index: int, out: torch.Tensor, expected: int | None) -> tuple[float, int]:
-        """On a reader thread: read chunk ``index`` into ``out`` and check its sum; (seconds, sum). Each piece's sum
-        runs on another thread while the next piece is read."""
+    def _verified_read(self, index: int, out: torch.Tensor, expected: int | None) -> tuple[float, int, float]:
+        """On a reader thread: read chunk ``index`` into ``out`` and check its sum; (seconds, sum, seconds this
+        thread waited for sums). Each piece's sum runs on another thread while the next piece is read."""
         start = time.perf_counter()
-        summed, crc, pending = 0, 0, None
+        summed, crc, pending, waited = 0, 0, None, 0.0
 
         def progress(upto: int) -> None:
-            nonlocal summed, crc, pending
+            nonlocal summed, crc, pending, waited
             if pending is not None:
+                began = time.perf_counter()
                 crc = pending.result()
+                waited += time.perf_counter() - began
             pending, summed = self._summer.submit(checksum, out[summed:upto], crc), upto
 
         if out.numel():
@@ -204,6 +206,7 @@ class BouncedStore:
         seconds = time.perf_counter() - start
         crc = pending.result() if pending is not None else crc
         crc = checksum(out[summed:], crc)
+        waited += time.perf_counter() - start - seconds
         if expected is not None and crc != expected:
             raise ChunkIntegrityError(
                 f"{self.where(index)} do not hold what the wrapper wrote there (CRC-32 {crc:#010x}, written "
@@ -211,7 +214,7 @@ class BouncedStore:
                 "older copy put in place). The chunk was not stepped; the state in this wrapper is lost: load a "
                 "checkpoint into a new wrapper"
             )
-        return seconds, crc
+        return seconds, crc, waited
 
     def source(self, chunk: Chunk) -> torch.Tensor:
         """The chunk's bytes in a bounce (read now if no read is under way), which its stage copies from and its
@@ -226,7 +229,7 @@ class BouncedStore:
         assert bounce.read is not None
         start = time.perf_counter()
         try:
-            seconds, crc = bounce.read.result()
+            seconds, crc, summing = bounce.read.result()
         except BaseException as e:
             if bounce.read.done():  # the read failed: the bounce is free
                 bounce.chunk, bounce.read = None, None
@@ -238,6 +241,7 @@ class BouncedStore:
         finally:
             self.io.wait_seconds += time.perf_counter() - start
         self.io.read_seconds += seconds
+        self.io.checksum_seconds += summing
         self.io.read_nbytes += chunk.transfer_nbytes
         self._sums[chunk.index] = (crc, bounce.version)
         bounce.staged = True
@@ -308,11 +312,14 @@ class BouncedStore:
         start = time.perf_counter()
         crc = self._summer.submit(checksum, data)  # on another thread while this one writes
         flat = self.write_from(chunk.index, bounce.buffer, chunk.transfer_nbytes)
+        written = time.perf_counter()
+        summed = crc.result()
+        self.io.checksum_seconds += time.perf_counter() - written
         self.io.write_seconds += time.perf_counter() - start
         self.io.written_nbytes += chunk.transfer_nbytes
         if flat is not None:
             self._exported[chunk.index] = []  # views of the old generation: a snapshot, not the chunk's homes
-        self._sums[chunk.index] = (crc.result(), self._homes_version(chunk.index))
+        self._sums[chunk.index] = (summed, self._homes_version(chunk.index))
         self._settle(bounce)
         self._read_ahead()
         return flat

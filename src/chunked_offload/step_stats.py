@@ -34,6 +34,8 @@ class StepStats:
         disk_gbps: ``(disk_read_bytes + disk_written_bytes)`` over the seconds the disk spent on them, in GB/s.
         disk_exposed_seconds: how long the step's host thread waited for the disk (reads not done ahead, and the
             writes, which a chunk's commit waits for).
+        disk_checksum_seconds: how long the disk's reads and writes waited for their checksums (a CRC-32 of each
+            piece runs beside the next piece's read, and beside a write): what the checksums add to the disk's path.
     """
 
     chunks: int
@@ -51,6 +53,7 @@ class StepStats:
     disk_written_bytes: int = 0
     disk_gbps: float = 0.0
     disk_exposed_seconds: float = 0.0
+    disk_checksum_seconds: float = 0.0
 
 
 def io_figures(start: IOStats, end: IOStats) -> dict[str, Any]:
@@ -62,4 +65,5 @@ def io_figures(start: IOStats, end: IOStats) -> dict[str, Any]:
         "disk_written_bytes": end.written_nbytes - start.written_nbytes,
         "disk_gbps": moved / seconds / 1e9 if seconds > 0 else 0.0,
         "disk_exposed_seconds": end.wait_seconds - start.wait_seconds + end.write_seconds - start.write_seconds,
+        "disk_checksum_seconds": end.checksum_seconds - start.checksum_seconds,
     }

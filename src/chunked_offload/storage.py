@@ -24,6 +24,7 @@ class IOStats:
     read_seconds: float = 0.0  # on the reader threads
     write_seconds: float = 0.0
     wait_seconds: float = 0.0  # the step waited for a read: the store's exposed time
+    checksum_seconds: float = 0.0  # reads and writes waited for their checksums (their cost on the store's path)
 
 
 class Store(Protocol):
