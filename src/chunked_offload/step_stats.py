@@ -35,7 +35,8 @@ class StepStats:
         disk_exposed_seconds: how long the step's host thread waited for the disk (reads not done ahead, and the
             writes, which a chunk's commit waits for).
         disk_checksum_seconds: how long the disk's reads and writes waited for their checksums (a CRC-32 of each
-            piece runs beside the next piece's read, and beside a write): what the checksums add to the disk's path.
+            piece runs beside the next piece's read, and beside a write): at most what the checksums add to the
+            step (the other reader thread may keep the disk busy meanwhile).
     """
 
     chunks: int
