@@ -35,8 +35,9 @@ class SlowMemoryStore(BouncedStore):
         out.copy_(self.memory[index])
         self.reads += 1
 
-    def write_from(self, index: int, bounce: torch.Tensor, nbytes: int) -> None:
+    def write_from(self, index: int, bounce: torch.Tensor, nbytes: int, seal: Callable[[], None]) -> None:
         time.sleep(self.delay)
+        seal()
         self.memory[index].copy_(bounce[:nbytes])
         self.writes += 1
 

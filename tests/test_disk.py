@@ -238,8 +238,9 @@ class Injected(OSError):
 
 
 @contextmanager
-def disk_fault(monkeypatch: pytest.MonkeyPatch, point: str, index: int) -> Iterator[None]:
-    """Make the disk operation ``point`` of chunk ``index``'s file fail (the others run as usual)."""
+def disk_fault(monkeypatch: pytest.MonkeyPatch, point: str, index: int, store: Any = None) -> Iterator[None]:
+    """Make the disk operation ``point`` of chunk ``index``'s file fail (the others run as usual); ``"seal"`` needs
+    the ``store``."""
     name = f"chunk{index:05d}"
 
     def failing(original: Callable[..., Any], which: int) -> Callable[..., Any]:
@@ -250,13 +251,36 @@ def disk_fault(monkeypatch: pytest.MonkeyPatch, point: str, index: int) -> Itera
 
         return patched
 
-    targets = {
-        "read": ("read_file_into", 0),
-        "write": ("write_new_file", 0),
-        "rename": ("replace_file", 1),
-    }
-    attr, which = targets[point]
-    monkeypatch.setattr(disk_module, attr, failing(getattr(disk_module, attr), which))
+    if point == "seal":  # the sum of the new file, which the store waits for before the rename, failed
+        assert store is not None
+        real_write = store.write_from
+
+        def write_from(index: int, bounce: torch.Tensor, nbytes: int, seal: Callable[[], None]) -> Any:
+            def failing_seal() -> None:
+                seal()
+                if store.path(index).stem == name:
+                    raise Injected(errno.EIO, "injected checksum failure")
+
+            return real_write(index, bounce, nbytes, failing_seal)
+
+        monkeypatch.setattr(store, "write_from", write_from)
+    elif point == "map":  # the map of the new file (the homes' memory from then on), found by its descriptor
+        real_mmap = mmap.mmap
+
+        def mapping(fd: int, *args: Any, **kwargs: Any) -> mmap.mmap:
+            if fd >= 0 and Path(os.readlink(f"/proc/self/fd/{fd}")).stem == name:
+                raise Injected(errno.ENOMEM, "injected map failure")
+            return real_mmap(fd, *args, **kwargs)
+
+        monkeypatch.setattr(disk_module.mmap, "mmap", mapping)
+    else:
+        targets = {
+            "read": ("read_file_into", 0),
+            "write": ("write_new_file", 0),
+            "rename": ("replace_file", 1),
+        }
+        attr, which = targets[point]
+        monkeypatch.setattr(disk_module, attr, failing(getattr(disk_module, attr), which))
     try:
         yield
     finally:
@@ -286,13 +310,29 @@ def _pair(config: str, tmp_path: Path) -> tuple[Any, list[torch.nn.Parameter], A
 
 @pytest.mark.parametrize("target", [0, -1], ids=["first-on-disk", "last"])
 @pytest.mark.parametrize("step", ["first", "later"])
-@pytest.mark.parametrize("point", ["read", "write", "rename"])
+@pytest.mark.parametrize("point", ["read", "write", "rename", "map"])
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_a_failed_disk_operation_rolls_the_chunk_back_and_the_files_resume(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, config: str, point: str, step: str, target: int
 ) -> None:
-    """A read (EIO), the write of the new file (ENOSPC: a full disk) or its rename fails, in a chunk's first step
-    (which reads its masters from the file) or a later one."""
+    """A read (EIO), the write of the new file (ENOSPC: a full disk), its rename, or its map (ENOMEM) fails, in a
+    chunk's first step (which reads its masters from the file) or a later one."""
+    _fails_and_resumes(monkeypatch, tmp_path, config, point, step, target)
+
+
+@pytest.mark.parametrize("step", ["first", "later"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_a_failed_checksum_of_a_new_generation_leaves_the_old_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, config: str, step: str
+) -> None:
+    """The sum of a chunk's new file runs beside its write, and seals it before the rename; a sum that fails (here
+    the seal) fails the write, and the old file stays the chunk's."""
+    _fails_and_resumes(monkeypatch, tmp_path, config, "seal", step, 0)
+
+
+def _fails_and_resumes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, config: str, point: str, step: str, target: int
+) -> None:
     opt, params, twin, twin_params = _pair(config, tmp_path)
     chunks = opt.plan.all_chunks
     on_disk = opt.plan.disk_chunks
@@ -301,7 +341,8 @@ def test_a_failed_disk_operation_rolls_the_chunk_back_and_the_files_resume(
     run_steps(opt, params, first)
     run_steps(twin, twin_params, first)
     set_grads(params, make_grads(params, first))
-    with disk_fault(monkeypatch, point, on_disk[target].index), pytest.raises(Injected) as info:
+    store = internals(opt).placement.layout.stores[Home.DISK]
+    with disk_fault(monkeypatch, point, on_disk[target].index, store), pytest.raises(Injected) as info:
         opt.step()
 
     assert all(slot.state.value == "free" and slot.buffer is None for slot in internals(opt).pool.slots)

@@ -10,7 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .disk_io import ALIGN
+from .disk_io import aligned_buffer
 from .host_arena import typed_view
 from .planner import Chunk, Home, TensorSpec
 from .storage import IOStats
@@ -26,6 +26,8 @@ __all__ = ["BouncedStore", "ChunkIntegrityError", "checksum"]
 # a write bumps their version counter, and the next read then takes the bytes as they are and records their sum. A
 # write that bypasses the tensors (another process, a flipped block, an older copy put in place) is what it catches.
 # After a failed check the store refuses to hand out its homes (``check``): a state dict of them would be wrong.
+# A write's sum runs beside it and seals the new generation before it replaces the old (``write_from``'s ``seal``):
+# a write or a sum that fails leaves the old generation the chunk's, and after the replacement nothing can fail.
 
 
 class ChunkIntegrityError(RuntimeError):
@@ -40,12 +42,7 @@ def checksum(data: torch.Tensor, value: int = 0) -> int:
 
 class _Bounce:
     def __init__(self, nbytes: int, pin: bool) -> None:
-        # Whole pages from a page boundary (page-locked memory starts on one), so that O_DIRECT can write it.
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-        if self.buffer.data_ptr() % ALIGN:
-            raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
-            start = -raw.data_ptr() % ALIGN
-            self.buffer = raw[start : start + nbytes]
+        self.buffer = aligned_buffer(nbytes, pin)  # O_DIRECT writes from it
         self.chunk: int | None = None  # the chunk whose bytes it holds (or is reading)
         self.read: Future[tuple[float, int, float]] | None = None
         self.version = 0  # of the chunk's homes when its read began: a write into them after makes the read stale
@@ -90,8 +87,13 @@ class BouncedStore:
         (optional: the sum of what is in runs on another thread meanwhile)."""
         raise NotImplementedError
 
-    def write_from(self, index: int, bounce: torch.Tensor, nbytes: int) -> torch.Tensor | None:
-        """Store the first ``nbytes`` of ``bounce`` (a whole bounce buffer) as chunk ``index``'s new generation."""
+    def write_from(
+        self, index: int, bounce: torch.Tensor, nbytes: int, seal: Callable[[], None]
+    ) -> torch.Tensor | None:
+        """Store the first ``nbytes`` of ``bounce`` (a whole bounce buffer) as chunk ``index``'s new generation; its
+        homes' new memory, or None. Call ``seal()`` once the bytes are stored, before they replace the old
+        generation: if it (or anything before the replacement) raises, the old generation stays the chunk's. Nothing
+        after the replacement may fail."""
         raise NotImplementedError
 
     def where(self, index: int) -> str:
@@ -306,20 +308,25 @@ class BouncedStore:
     # ------------------------------------------------------------------ writes
     def commit(self, chunk: Chunk) -> torch.Tensor | None:
         """Write the chunk's bounce (its write-back has landed) as its new generation, with its sum; the homes' new
-        memory, or None. A failure leaves the old generation the chunk's."""
+        memory, or None. A failure (of the write, or of its sum) leaves the old generation the chunk's."""
         bounce = self._staged(chunk)
         data = bounce.buffer[: chunk.transfer_nbytes]
         start = time.perf_counter()
         crc = self._summer.submit(checksum, data)  # on another thread while this one writes
-        flat = self.write_from(chunk.index, bounce.buffer, chunk.transfer_nbytes)
-        written = time.perf_counter()
-        summed = crc.result()
-        self.io.checksum_seconds += time.perf_counter() - written
+        sealed: list[int] = []
+
+        def seal() -> None:  # a sum that failed fails the write: the old generation stays the chunk's
+            written = time.perf_counter()
+            sealed.append(crc.result())
+            self.io.checksum_seconds += time.perf_counter() - written
+
+        flat = self.write_from(chunk.index, bounce.buffer, chunk.transfer_nbytes, seal)
+        assert sealed, f"{type(self).__name__}.write_from() did not seal the generation it wrote"
         self.io.write_seconds += time.perf_counter() - start
         self.io.written_nbytes += chunk.transfer_nbytes
         if flat is not None:
             self._exported[chunk.index] = []  # views of the old generation: a snapshot, not the chunk's homes
-        self._sums[chunk.index] = (summed, self._homes_version(chunk.index))
+        self._sums[chunk.index] = (sealed[0], self._homes_version(chunk.index))
         self._settle(bounce)
         self._read_ahead()
         return flat

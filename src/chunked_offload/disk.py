@@ -86,7 +86,7 @@ class DiskStore(BouncedStore):
             super().__init__(chunks, bounces, bounce_nbytes, pin)
             for c in chunks:
                 _reserve(self.path(c.index), c.transfer_nbytes, self.directory)  # zeros until a step writes the state
-                self._maps[c.index] = self._map(c.index)
+                self._adopt(c.index, *_map_file(self.path(c.index), c.transfer_nbytes))
         except BaseException:
             self.close()
             raise
@@ -99,16 +99,13 @@ class DiskStore(BouncedStore):
     def where(self, index: int) -> str:
         return f"the file of chunk {index} ({self.path(index)})"
 
-    def _map(self, index: int) -> torch.Tensor:
-        n = self.chunks[index].transfer_nbytes
-        with open(self.path(index), "r+b") as f:
-            st = os.fstat(f.fileno())
-            self._ids[index] = (st.st_ino, st.st_size)
-            if n == 0:
-                return torch.empty(0, dtype=torch.uint8)
-            mapped = mmap.mmap(f.fileno(), n, flags=mmap.MAP_SHARED)  # the tensor keeps it (and the file) alive
-        self._mmaps[index] = mapped
-        return torch.frombuffer(mapped, dtype=torch.uint8)
+    def _adopt(self, index: int, homes: torch.Tensor, mapped: mmap.mmap | None, ids: tuple[int, int]) -> torch.Tensor:
+        """Make a file's map (``_map_file``) chunk ``index``'s homes: assignments alone, which cannot fail once the
+        file is the chunk's."""
+        if mapped is not None:
+            self._mmaps[index] = mapped
+        self._ids[index], self._maps[index] = ids, homes
+        return homes
 
     def homes_of(self, index: int) -> torch.Tensor:
         """The map of chunk ``index``'s current file."""
@@ -152,14 +149,17 @@ class DiskStore(BouncedStore):
         (self.directory / SPARE).unlink(missing_ok=True)
         self._spare = None
 
-    def write_from(self, index: int, bounce: torch.Tensor, nbytes: int) -> torch.Tensor:
-        """Write ``nbytes`` of ``bounce`` to the spare or a new file, flush it, rename it over the old one (which
-        becomes the spare); return the new file's map. A failure before the rename leaves the old file the chunk's."""
+    def write_from(self, index: int, bounce: torch.Tensor, nbytes: int, seal: Callable[[], None]) -> torch.Tensor:
+        """Write ``nbytes`` of ``bounce`` to the spare or a new file, flush and map it, seal it, rename it over the old
+        one (which becomes the spare); return the new file's map. A failure before the rename leaves the old file the
+        chunk's; after it, only assignments run."""
         path = self.path(index)
         tmp, spare = path.with_suffix(".tmp"), self.directory / SPARE
         try:
             self._recycle(spare, tmp)
             write_new_file(tmp, bounce, nbytes)  # O_DIRECT: the bounce is whole pages
+            new = _map_file(tmp, nbytes)  # before the rename: after it, nothing may fail
+            seal()
             os.link(path, spare)  # the generation the rename replaces stays, as the next spare
             replace_file(tmp, path)
         except BaseException:
@@ -169,8 +169,7 @@ class DiskStore(BouncedStore):
             raise
         old = self._mmaps.pop(index, None)
         self._spare = None if old is None else weakref.ref(old)
-        self._maps[index] = self._map(index)
-        return self._maps[index]
+        return self._adopt(index, *new)
 
     def _recycle(self, spare: Path, tmp: Path) -> None:
         """[Note: Spare generation]: the spare becomes ``tmp``, for its blocks, unless a map of it is still read."""
@@ -208,6 +207,17 @@ class DiskTier:
     def open(self, plan: ChunkPlan, pin: bool) -> DiskStore:
         chunks = [c for c in plan.chunks if c.home == self.home]
         return DiskStore(self.spill_dir, chunks, plan.num_slots + 1, plan.bounce_nbytes, pin=pin)  # its own dir
+
+
+def _map_file(path: Path, nbytes: int) -> tuple[torch.Tensor, mmap.mmap | None, tuple[int, int]]:
+    """The first ``nbytes`` of ``path`` as a tensor over a shared map (None: no bytes), and the file's (inode, size).
+    The map follows the file through a rename; the tensor keeps the map (and the file) alive."""
+    with open(path, "r+b") as f:
+        st = os.fstat(f.fileno())
+        if not nbytes:
+            return torch.empty(0, dtype=torch.uint8), None, (st.st_ino, st.st_size)
+        mapped = mmap.mmap(f.fileno(), nbytes, flags=mmap.MAP_SHARED)
+    return torch.frombuffer(mapped, dtype=torch.uint8), mapped, (st.st_ino, st.st_size)
 
 
 def _reserve(path: Path, nbytes: int, directory: Path) -> None:

@@ -13,7 +13,7 @@ import torch
 from .planner import PAGE
 from .specs import whole_pages
 
-__all__ = ["ALIGN", "PIECE", "drop_cache", "read_file_into", "replace_file", "write_new_file"]
+__all__ = ["ALIGN", "PIECE", "aligned_buffer", "drop_cache", "read_file_into", "replace_file", "write_new_file"]
 
 
 PIECE = 32 * 2**20  # a read reports its progress every PIECE bytes (the checksum of a piece runs under the next read)
@@ -75,6 +75,16 @@ def _write(path: Path, view: memoryview, nbytes: int, flags: int) -> bool:
     finally:
         os.close(fd)
     return True
+
+
+def aligned_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    """``nbytes`` of uint8 from a page boundary (page-locked memory starts on one), so that O_DIRECT can move it."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    if buffer.data_ptr() % ALIGN:
+        raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+        start = -raw.data_ptr() % ALIGN
+        buffer = raw[start : start + nbytes]
+    return buffer
 
 
 def replace_file(source: Path, target: Path) -> None:
