@@ -281,6 +281,8 @@ def one_step_variant(args: argparse.Namespace, device: torch.device) -> dict[str
         "file_peak": peaks.file,
         **{k.lower(): v for k, v in rss().items()},
         "exact": exact,
+        "checksums": args.checksums,  # as the child ran (the A/B's check that its options reached it)
+        "writes": args.writes,
     }
 
 
@@ -327,9 +329,10 @@ def capacity_trial(args: argparse.Namespace, device: torch.device) -> dict[str, 
 
 # ------------------------------------------------------------------------------------------------ the driver
 def child(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, *extra, "--params", str(args.params), "--dim", str(args.dim)]
+    cmd = [sys.executable, __file__, "--params", str(args.params), "--dim", str(args.dim)]
     cmd += ["--chunk-mb", str(args.chunk_mb), "--iters", str(args.iters), "--spill-dir", str(args.spill_dir)]
     cmd += ["--shares", args.shares, "--writes", args.writes, "--checksums", args.checksums]
+    cmd += extra  # last: what it sets wins over the run's own options (the A/B's "--checksums off")
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -363,7 +366,7 @@ def main() -> int:
         if args.writes == "buffered":
             disk_io.write_new_file = functools.partial(disk_io.write_new_file, direct=False)
         if args.checksums == "off":
-            bounced.checksum = lambda data: 0
+            bounced.checksum = lambda data, value=0: 0
         print(json.dumps(capacity_trial(args, device) if args.capacity else one_step_variant(args, device)))
         return 0
 
@@ -390,6 +393,8 @@ def main() -> int:
         row = host_only if share == 0 else child(args, ["--one", "--host-budget", str(budget)])
         if share and args.checksums == "on":  # the same share with the checksums replaced by a constant
             off = child(args, ["--one", "--host-budget", str(budget), "--checksums", "off"])
+            if off["checksums"] != "off":
+                raise RuntimeError(f"the A/B's run without checksums ran with checksums {off['checksums']}")
             row["checksum_cost"] = row["step_s"] / off["step_s"] - 1
         link_floor = max(row["h2d"], row["d2h"]) / duplex
         disk_floor = row["disk_read"] / read_bw + row["disk_written"] / write_bw

@@ -1,0 +1,35 @@
+"""benchmarks/bench_disk.py's driver: a child run takes the options its caller adds (the checksum A/B's "off")."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench_disk() -> Any:
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # its `common`
+    try:
+        spec = importlib.util.spec_from_file_location("bench_disk", ROOT / "benchmarks" / "bench_disk.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+@pytest.mark.parametrize("checksums", ["on", "off"])
+def test_a_child_run_takes_the_checksums_its_caller_asks_for(bench_disk: Any, tmp_path: Path, checksums: str) -> None:
+    args = argparse.Namespace(
+        params=2e4, dim=64, chunk_mb=0.02, iters=1, spill_dir=tmp_path, shares="0", writes="tier", checksums="on"
+    )
+    row = bench_disk.child(args, ["--one", "--host-budget", str(150_000), "--checksums", checksums])
+    assert row["checksums"] == checksums and row["exact"] and row["disk_read"] > 0
