@@ -13,6 +13,7 @@ reduction, ``get_megatron_optimizer`` (Adam, clip 1.0), world size 1, ``--micro-
     wrapped-auto      the same with gpu_budget_mb="auto" (what the GPU has room for stays resident)
     overlap           wrapped with overlap=True: the step runs beside the next forward
     overlap-auto      the same with gpu_budget_mb="auto"
+    overlap-remainder overlap with master_weights="remainder": a 16-bit remainder of each fp32 main (10 B/param)
     overlap-slowed    overlap with every chunk's step started 10 ms late on its stream (GPU only), so that a reader
                       of the params that does not wait for the step overtakes it: bitwise only, its time is not kept
     hybrid            Megatron's HybridDeviceOptimizer (optimizer_cpu_offload, fraction 1.0, precision-aware): CPU step
@@ -52,7 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import device_name, git_sha  # noqa: E402  (it puts src/ and tests/ on the path)
 
 VARIANTS = (
-    "resident", "wrapped", "wrapped-auto", "overlap", "overlap-auto", "overlap-slowed", "hybrid", "offload-restore",
+    "resident", "wrapped", "wrapped-auto", "overlap", "overlap-auto", "overlap-remainder", "overlap-slowed", "hybrid",
+    "offload-restore",
 )  # fmt: skip
 
 
@@ -101,6 +103,8 @@ def build(variant: str, args: argparse.Namespace) -> tuple[Any, Any]:
         wrap: dict[str, Any] = {"overlap": variant.startswith("overlap")}
         if variant.endswith("-auto"):
             wrap["gpu_budget_mb"] = "auto"
+        if variant.endswith("-remainder"):
+            wrap["master_weights"] = "remainder"
         wrap_megatron_optimizer(opt, chunk_size_mb=args.chunk_mb, **wrap)
     return ddp, opt
 
@@ -344,6 +348,8 @@ def main() -> int:
     variants = ["resident", "resident", *[v for v in args.variants.split(",") if v and v != "resident"]]
     if not gpu:  # HybridDeviceOptimizer maps CPU copies to GPU params, and streams sleep: neither on the CPU
         variants = [v for v in variants if v not in ("hybrid", "overlap-slowed")]
+    if args.te:  # TE's FusedAdam keeps the masters on that path (with --store-param-remainders: remainders)
+        variants = [v for v in variants if not v.endswith("-remainder")]
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -387,7 +393,7 @@ def main() -> int:
                 print(results[-1][1]["profile"], flush=True)
     base, control = results[0][1], results[1][1]
     print(f"control: resident against itself: {'bitwise' if same(base, control) == 'yes' else 'DIFFERS'}")
-    print(f"{'variant':16s} {'s/iter':>8s} {'kept':>7s} {'peak GiB':>9s} {'B/param below':>13s} {'built GiB':>9s} "
+    print(f"{'variant':18s} {'s/iter':>8s} {'kept':>7s} {'peak GiB':>9s} {'B/param below':>13s} {'built GiB':>9s} "
           f"{'bitwise':>8s}")  # fmt: skip
     below = min(base["peak"], control["peak"])  # the first run may hold what main() built before it
     ok = True
@@ -395,10 +401,10 @@ def main() -> int:
         v = "control" if k == 0 else v
         bitwise = same(base, r)
         ok = ok and (bitwise != "NO" or v == "hybrid")
-        print(f"{v:16s} {r['s']:8.4f} {base['s'] / r['s']:7.1%} {r['peak'] / 2**30:9.2f} "
+        print(f"{v:18s} {r['s']:8.4f} {base['s'] / r['s']:7.1%} {r['peak'] / 2**30:9.2f} "
               f"{(below - r['peak']) / params:13.2f} {r['built'] / 2**30:9.2f} {bitwise:>8s}"
               + (f"  ({r['why']})" if "why" in r else ""))  # fmt: skip
-    print(f"{'resident':16s} {base['s']:8.4f} {1:7.1%} {base['peak'] / 2**30:9.2f} {base['built'] / 2**30:9.2f}")
+    print(f"{'resident':18s} {base['s']:8.4f} {1:7.1%} {base['peak'] / 2**30:9.2f} {base['built'] / 2**30:9.2f}")
     return 0 if ok else 1
 
 

@@ -207,15 +207,17 @@ def parity(rank: int, world: int, port: int, backend: str, steps: int, overrides
         result[rank] = (trace_a == trace_b and same(snap_a, snap_b), trace_b)
 
 
-def resume(rank: int, world: int, port: int, backend: str, overlap: bool, sharding: str, te: bool, result: Any) -> None:
-    """A wrapped run saved with dist-checkpointing (torch_dist) after 2 steps and loaded into a new wrapped run
-    continues bitwise as the run that was not interrupted (4 steps); with ``overlap``, saved while the last step's
-    chunks wait for the next forward. With TE the new run has not stepped (without TE or Apex, Megatron needs a
-    step first); Megatron finds the wrapper with state when it loads, so it makes none of the placeholder state it
-    makes on the GPU for an optimizer without any."""
+def resume(
+    rank: int, world: int, port: int, backend: str, options: dict[str, Any], sharding: str, te: bool, result: Any
+) -> None:
+    """A wrapped run (with the wrapper's ``options``) saved with dist-checkpointing (torch_dist) after 2 steps and
+    loaded into a new wrapped run continues bitwise as the run that was not interrupted (4 steps); with ``overlap``,
+    saved while the last step's chunks wait for the next forward. With TE the new run has not stepped (without TE or
+    Apex, Megatron needs a step first); Megatron finds the wrapper with state when it loads, so it makes none of the
+    placeholder state it makes on the GPU for an optimizer without any."""
     from megatron.core import dist_checkpointing
 
-    options = {"overlap": True} if overlap else {}
+    overlap = bool(options.get("overlap"))
     with cuda_on_cpu(), _te_if(te):
         _init(rank, world, port)
         net, ddp, opt = build(options, overlap_param_gather=overlap, te=te)
@@ -271,6 +273,8 @@ def refusals(rank: int, world: int, port: int, backend: str, result: Any) -> Non
             "in backward": (lambda: build(False), {"step_in_backward": True}),
             "overlap without param gather": (lambda: build(False), {"overlap": True}),
             "masters": (lambda: build(False), {"master_weights": "none"}),
+            "remainder of fp16": (lambda: build(False, bf16=False, fp16=True), {"master_weights": "remainder"}),
+            "masters on te's path": (lambda: build(False, te=True), {"master_weights": "remainder"}),
             "bf16 grads": (lambda: build(False, grad_reduce_in_fp32=False), {}),
             "wrapped": (lambda: build(True), {}),
             "cpu offload": (lambda: build(False, optimizer_cpu_offload=True, te=True), {}),

@@ -37,6 +37,8 @@ pytest.importorskip("megatron.core", reason="megatron-core is installed by `make
         {"te": True, "use_precision_aware_optimizer": False},  # the default path, with TE's FusedAdam as the inner
         {"te": True, "grad_reduce_in_fp32": False},  # bf16 grads: TE's FusedAdam reads them as they are
         {"te": True, "overlap_param_gather": True, "wrap": {"overlap": True}},
+        {"wrap": {"master_weights": "remainder"}},  # a 16-bit remainder of each main: 10 B/param, as exact
+        {"overlap_param_gather": True, "wrap": {"overlap": True, "master_weights": "remainder"}},
     ],
     ids=[
         "adam-clip",
@@ -49,6 +51,8 @@ pytest.importorskip("megatron.core", reason="megatron-core is installed by `make
         "te-default-path",
         "te-bf16-grads",
         "te-overlap",
+        "remainder",
+        "remainder-overlap",
     ],
 )
 def test_a_wrapped_distributed_optimizer_is_bitwise_with_megatrons_resident_one(world: int, case: dict) -> None:
@@ -63,19 +67,20 @@ def test_a_wrapped_distributed_optimizer_is_bitwise_with_megatrons_resident_one(
 
 
 @pytest.mark.parametrize(
-    ("overlap", "sharding", "te"),
+    ("options", "sharding", "te"),
     [
-        (False, "dp_reshardable", False),
-        (True, "dp_reshardable", False),
-        (False, "fully_reshardable", False),  # Megatron's default, and --dist-ckpt-optim-fully-reshardable
-        (False, "dp_reshardable", True),  # the precision-aware path, loaded into a run that has not stepped
-        (True, "fully_reshardable", True),
+        ({}, "dp_reshardable", False),
+        ({"overlap": True}, "dp_reshardable", False),
+        ({}, "fully_reshardable", False),  # Megatron's default, and --dist-ckpt-optim-fully-reshardable
+        ({"master_weights": "remainder"}, "fully_reshardable", False),  # saves the mains the remainders make
+        ({}, "dp_reshardable", True),  # the precision-aware path, loaded into a run that has not stepped
+        ({"overlap": True}, "fully_reshardable", True),
     ],
-    ids=["sync", "overlap", "fully-reshardable", "te", "te-overlap-fully-reshardable"],
+    ids=["sync", "overlap", "fully-reshardable", "remainder", "te", "te-overlap-fully-reshardable"],
 )
 @pytest.mark.parametrize("world", [1, 2])
-def test_a_dist_checkpoint_round_trip_resumes_bitwise(world: int, overlap: bool, sharding: str, te: bool) -> None:
-    assert _spawn(megatron_cases.resume, overlap, sharding, te, world=world) == dict.fromkeys(range(world), True)
+def test_a_dist_checkpoint_round_trip_resumes_bitwise(world: int, options: dict, sharding: str, te: bool) -> None:
+    assert _spawn(megatron_cases.resume, options, sharding, te, world=world) == dict.fromkeys(range(world), True)
 
 
 @pytest.mark.parametrize("te", [False, True], ids=["default", "te"])
@@ -87,7 +92,9 @@ def test_what_cannot_be_wrapped_is_refused_with_what_to_do() -> None:
     messages = _spawn(megatron_cases.refusals, world=1)[0]
     expected = {
         "in backward": "step_in_backward=True is not supported under Megatron-Core",
-        "masters": "sets master_weights itself",
+        "masters": "master_weights='fp32' (the default) or 'remainder'",
+        "remainder of fp16": "master_weights='remainder' needs bf16 params (--bf16), got torch.float16",
+        "masters on te's path": "TE's FusedAdam keeps the masters",
         "bf16 grads": "grad_reduce_in_fp32=True",
         "wrapped": "wrapped already",
         "cpu offload": "optimizer_cpu_offload steps Megatron's HybridDeviceOptimizer on the CPU",

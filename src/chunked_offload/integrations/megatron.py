@@ -49,7 +49,9 @@ def wrap_megatron_optimizer(optimizer: Any, **options: Any) -> Any:
 
     Args:
         optimizer: a ``DistributedOptimizer`` or a ``ChainedOptimizer`` of them.
-        **options: the wrapper's options (``chunk_size_mb``, ``gpu_budget_mb``, ``num_slots``, ``spill_dir``, ...).
+        **options: the wrapper's options (``chunk_size_mb``, ``gpu_budget_mb``, ``num_slots``, ``spill_dir``, ...);
+            ``master_weights``: ``"fp32"`` (default) keeps Megatron's fp32 mains, ``"remainder"`` (bf16 params) a
+            16-bit remainder of each, as exact (not on the precision-aware path, where TE's FusedAdam keeps them).
 
     Returns:
         ``optimizer``, with each DistributedOptimizer's inner optimizer wrapped in place.
@@ -63,12 +65,16 @@ def wrap_megatron_optimizer(optimizer: Any, **options: Any) -> Any:
             "the backward, so no chunk may step inside it. Pass overlap=True instead (the step runs beside the next "
             "forward)"
         )
-    for name in ("master_weights", "adapter"):
-        if name in options:
-            raise ValueError(f"wrap_megatron_optimizer() sets {name} itself (fp32 masters of Megatron's mains)")
+    if "adapter" in options:
+        raise ValueError("wrap_megatron_optimizer() sets adapter itself (fp32 masters of Megatron's mains)")
+    if options.get("master_weights", "fp32") not in ("fp32", "remainder"):
+        raise ValueError(
+            f"wrap_megatron_optimizer() keeps Megatron's fp32 mains as masters: master_weights='fp32' (the default) "
+            f"or 'remainder' (bf16 params: a 16-bit remainder each, as exact), got {options['master_weights']!r}"
+        )
     parts = list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
     for part in parts:
-        _check(part, bool(options.get("overlap")))
+        _check(part, options)
     for part in parts:
         if not getattr(part, "is_stub_optimizer", False):
             _wrap(part, options)
@@ -77,7 +83,7 @@ def wrap_megatron_optimizer(optimizer: Any, **options: Any) -> Any:
     return optimizer
 
 
-def _check(d: Any, overlap: bool) -> None:
+def _check(d: Any, options: dict[str, Any]) -> None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     if not isinstance(d, DistributedOptimizer):
@@ -91,8 +97,13 @@ def _check(d: Any, overlap: bool) -> None:
         raise ValueError("this DistributedOptimizer is wrapped already")
     cfg, ddp = d.config, d.ddp_config
     te_masters = bool(cfg.use_precision_aware_optimizer_no_fp8_or_ds_fp8)  # the path where the inner keeps masters
-    why = None
-    if ddp.use_megatron_fsdp:
+    why, overlap = None, bool(options.get("overlap"))
+    if te_masters and "master_weights" in options:
+        why = (
+            "on the precision-aware path TE's FusedAdam keeps the masters (--store-param-remainders: remainders); "
+            "leave master_weights out"
+        )
+    elif ddp.use_megatron_fsdp:
         why = "Megatron-FSDP keeps its own buffers: use Megatron's DDP with use_distributed_optimizer=True"
     elif cfg.optimizer_cpu_offload:
         why = (
@@ -115,6 +126,8 @@ def _check(d: Any, overlap: bool) -> None:
                         "16-bit params need fp32 grads (Megatron's default path clips an fp32 copy): set "
                         "DistributedDataParallelConfig(grad_reduce_in_fp32=True) (--accumulate-allreduce-grads-in-fp32)"
                     )
+                elif options.get("master_weights") == "remainder" and p.dtype != torch.bfloat16:
+                    why = f"master_weights='remainder' needs bf16 params (--bf16), got {p.dtype}: leave it out"
     if why is None and overlap and not ddp.overlap_param_gather and any(ranks(g) > 1 for g in bucket_groups(d)):
         why = (
             "overlap=True at a data-parallel size above 1 needs DistributedDataParallelConfig(overlap_param_gather="
@@ -149,7 +162,7 @@ def _wrap(d: Any, options: dict[str, Any]) -> None:
         ranges["orig_group"]["params"] = views[g]
     adapter = resolve_adapter(inner)
     adapter.grad_attr = "decoupled_grad"  # the path's fp32 grads ([Note: Megatron main params])
-    wrapper = ChunkedOffloadOptimizer(inner, master_weights="fp32", adapter=adapter, **options)
+    wrapper = ChunkedOffloadOptimizer(inner, **{"master_weights": "fp32", **options}, adapter=adapter)
     for view, main in mains.items():
         if (view in wrapper.state and wrapper.state[view]) or not torch.equal(main, view.float()):
             wrapper.set_master(view, main)
