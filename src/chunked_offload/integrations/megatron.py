@@ -126,8 +126,10 @@ def _check(d: Any, options: dict[str, Any]) -> None:
                         "16-bit params need fp32 grads (Megatron's default path clips an fp32 copy): set "
                         "DistributedDataParallelConfig(grad_reduce_in_fp32=True) (--accumulate-allreduce-grads-in-fp32)"
                     )
-                elif options.get("master_weights") == "remainder" and p.dtype != torch.bfloat16:
-                    why = f"master_weights='remainder' needs bf16 params (--bf16), got {p.dtype}: leave it out"
+    if why is None and options.get("master_weights") == "remainder":
+        other = {str(p.dtype) for group in d.model_float16_groups for p in group if p.dtype != torch.bfloat16}
+        if other:
+            why = f"master_weights='remainder' needs bf16 params (--bf16), got {', '.join(sorted(other))}: leave it out"
     if why is None and overlap and not ddp.overlap_param_gather and any(ranks(g) > 1 for g in bucket_groups(d)):
         why = (
             "overlap=True at a data-parallel size above 1 needs DistributedDataParallelConfig(overlap_param_gather="
