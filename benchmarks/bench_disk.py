@@ -12,7 +12,7 @@ Workloads:
               Then the tier's pattern alone: up to 8 files of a chunk each read, rewritten (into the blocks of the
               generation the previous rename replaced, as the tier does: [Note: Spare generation]) and renamed over
               it, one at a time, against the floor of those bytes (what the disk gives the step's files, with no GPU
-              and no overlap).
+              and no overlap). And the CRC-32's GB/s, on one thread and in pieces on 4 as the tier sums (sums.py).
     step      fp32 matrices, fused AdamW, all state offloaded, with --shares of it on disk (0: host only). Each share
               runs in a process of its own (peak RSS is per process). Its floor is the larger of the link's (the
               bytes each way over the duplex bandwidth) and the disk's (bytes read over the read GB/s plus bytes
@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 
-import chunked_offload.bounced as bounced
 import chunked_offload.disk as disk_io
+import chunked_offload.sums as sums
 from chunked_offload import ChunkedOffloadOptimizer
 from common import make_matrices, measure_link, set_random_grads, synchronize
 from reference import spill_budget
@@ -142,7 +142,24 @@ def probe_disk(directory: Path, nbytes: int, pin: bool) -> dict[str, float]:
             out.update(read_and_write_at_once(directory, path, aligned))
     for p in (path, *paths):
         p.unlink(missing_ok=True)
+    out.update(probe_sums(data))
     return out
+
+
+def probe_sums(data: torch.Tensor) -> dict[str, float]:
+    """GB/s of the CRC-32 on one thread, and in pieces on 4 threads as a store sums (the same value, or it raises)."""
+    t0 = time.perf_counter()
+    whole = sums.checksum(data)
+    t1 = time.perf_counter()
+    with ThreadPoolExecutor(4) as pool:
+        pieces = sums.PieceSums(pool)
+        pieces.add(data)
+        joined = pieces.result()
+    t2 = time.perf_counter()
+    if joined != whole:
+        raise RuntimeError(f"the CRC-32 joined from pieces is {joined:#010x}, zlib's over the whole {whole:#010x}")
+    n = data.numel()
+    return {"CRC-32 on 1 thread": n / (t1 - t0) / 1e9, "CRC-32 in pieces on 4": n / (t2 - t1) / 1e9}
 
 
 def read_and_write_at_once(directory: Path, path: Path, aligned: mmap.mmap) -> dict[str, float]:
@@ -366,7 +383,7 @@ def main() -> int:
         if args.writes == "buffered":
             disk_io.write_new_file = functools.partial(disk_io.write_new_file, direct=False)
         if args.checksums == "off":
-            bounced.checksum = lambda data, value=0: 0
+            sums.checksum = lambda data, value=0: 0
         print(json.dumps(capacity_trial(args, device) if args.capacity else one_step_variant(args, device)))
         return 0
 

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import torch
 
-import chunked_offload.bounced as bounced_module
 import chunked_offload.disk as disk_module
 import chunked_offload.spill as spill_module
+import chunked_offload.sums as sums_module
 from chunked_offload import ChunkedOffloadOptimizer
 from chunked_offload.planner import ChunkPlan, Home
 from reference import (
@@ -85,13 +85,13 @@ def test_the_disk_reports_how_long_it_waited_for_its_checksums(tmp_path: Path, m
     train(model, opt, range(2))
     assert opt.stats is not None
     fast = opt.stats.disk_checksum_seconds
-    real, delay = bounced_module.checksum, 0.01
+    real, delay = sums_module.checksum, 0.01
 
     def slow(data: torch.Tensor, value: int = 0) -> int:
         time.sleep(delay)
         return real(data, value)
 
-    monkeypatch.setattr(bounced_module, "checksum", slow)
+    monkeypatch.setattr(sums_module, "checksum", slow)
     train(model, opt, range(2, 3))
     assert opt.stats.disk_read_bytes == opt.plan.disk_nbytes
     assert fast < len(opt.plan.disk_chunks) * delay <= opt.stats.disk_checksum_seconds

@@ -28,6 +28,7 @@ ORDER = [
     "storage",
     "step_stats",
     "disk_io",
+    "sums",
     "bounced",
     "disk",
     "fused",

@@ -4,7 +4,6 @@ backend (``read_into`` / ``write_from``), with a checksum of every generation it
 from __future__ import annotations
 
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -14,8 +13,9 @@ from .disk_io import aligned_buffer
 from .host_arena import typed_view
 from .planner import Chunk, Home, TensorSpec
 from .storage import IOStats
+from .sums import PieceSums
 
-__all__ = ["BouncedStore", "ChunkIntegrityError", "checksum"]
+__all__ = ["BouncedStore", "ChunkIntegrityError"]
 
 # [Note: Chunk integrity]
 # A store behind the host keeps, for each chunk, the CRC-32 of the bytes it last wrote (or read and accepted), and
@@ -26,18 +26,14 @@ __all__ = ["BouncedStore", "ChunkIntegrityError", "checksum"]
 # a write bumps their version counter, and the next read then takes the bytes as they are and records their sum. A
 # write that bypasses the tensors (another process, a flipped block, an older copy put in place) is what it catches.
 # After a failed check the store refuses to hand out its homes (``check``): a state dict of them would be wrong.
-# A write's sum runs beside it and seals the new generation before it replaces the old (``write_from``'s ``seal``):
-# a write or a sum that fails leaves the old generation the chunk's, and after the replacement nothing can fail.
+# The sums run on threads of their own, in pieces at once, beside the I/O (sums.py): a read waits only for the sum of
+# its last piece. A write's sum runs beside it and seals the new generation before it replaces the old
+# (``write_from``'s ``seal``): a write or a sum that fails leaves the old generation the chunk's, and after the
+# replacement nothing can fail.
 
 
 class ChunkIntegrityError(RuntimeError):
     """A chunk's stored bytes are not what the wrapper wrote."""
-
-
-def checksum(data: torch.Tensor, value: int = 0) -> int:
-    """CRC-32 of the bytes of the uint8 CPU tensor ``data``, continuing from ``value`` (zlib lets other threads run
-    meanwhile)."""
-    return zlib.crc32(memoryview(data.numpy()).cast("B"), value) if data.numel() else value  # type: ignore[arg-type]
 
 
 class _Bounce:
@@ -75,7 +71,7 @@ class BouncedStore:
         self.failed: dict[int, str] = {}
         self._bounces = [_Bounce(bounce_nbytes, pin) for _ in range(bounces)]
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="chunked_offload-store")
-        self._summer = ThreadPoolExecutor(max_workers=3, thread_name_prefix="chunked_offload-sum")  # beside the I/O
+        self._summer = ThreadPoolExecutor(max_workers=4, thread_name_prefix="chunked_offload-sum")  # beside the I/O
         self._expected: list[int] = []  # chunks a step will stage, in order, not yet read
 
     # ------------------------------------------------------------------ the backend
@@ -191,24 +187,25 @@ class BouncedStore:
 
     def _verified_read(self, index: int, out: torch.Tensor, expected: int | None) -> tuple[float, int, float]:
         """On a reader thread: read chunk ``index`` into ``out`` and check its sum; (seconds, sum, seconds this
-        thread waited for sums). Each piece's sum runs on another thread while the next piece is read."""
+        thread waited for sums). The pieces read are summed on other threads while the next are read."""
         start = time.perf_counter()
-        summed, crc, pending, waited = 0, 0, None, 0.0
+        sums, summed = PieceSums(self._summer), 0
 
         def progress(upto: int) -> None:
-            nonlocal summed, crc, pending, waited
-            if pending is not None:
-                began = time.perf_counter()
-                crc = pending.result()
-                waited += time.perf_counter() - began
-            pending, summed = self._summer.submit(checksum, out[summed:upto], crc), upto
+            nonlocal summed
+            sums.add(out[summed:upto])
+            summed = upto
 
-        if out.numel():
-            self.read_into(index, out, progress)
-        seconds = time.perf_counter() - start
-        crc = pending.result() if pending is not None else crc
-        crc = checksum(out[summed:], crc)
-        waited += time.perf_counter() - start - seconds
+        try:
+            if out.numel():
+                self.read_into(index, out, progress)
+            seconds = time.perf_counter() - start
+            sums.add(out[summed:])
+            crc = sums.result()
+        except BaseException:
+            sums.settle()  # the bounce may be read into again once this returns
+            raise
+        waited = time.perf_counter() - start - seconds
         if expected is not None and crc != expected:
             raise ChunkIntegrityError(
                 f"{self.where(index)} do not hold what the wrapper wrote there (CRC-32 {crc:#010x}, written "
@@ -312,15 +309,19 @@ class BouncedStore:
         bounce = self._staged(chunk)
         data = bounce.buffer[: chunk.transfer_nbytes]
         start = time.perf_counter()
-        crc = self._summer.submit(checksum, data)  # on another thread while this one writes
+        sums = PieceSums(self._summer)
+        sums.add(data)  # on other threads while this one writes
         sealed: list[int] = []
 
         def seal() -> None:  # a sum that failed fails the write: the old generation stays the chunk's
             written = time.perf_counter()
-            sealed.append(crc.result())
+            sealed.append(sums.result())
             self.io.checksum_seconds += time.perf_counter() - written
 
-        flat = self.write_from(chunk.index, bounce.buffer, chunk.transfer_nbytes, seal)
+        try:
+            flat = self.write_from(chunk.index, bounce.buffer, chunk.transfer_nbytes, seal)
+        finally:
+            sums.settle()
         assert sealed, f"{type(self).__name__}.write_from() did not seal the generation it wrote"
         self.io.write_seconds += time.perf_counter() - start
         self.io.written_nbytes += chunk.transfer_nbytes
