@@ -33,3 +33,20 @@ def test_a_child_run_takes_the_checksums_its_caller_asks_for(bench_disk: Any, tm
     )
     row = bench_disk.child(args, ["--one", "--host-budget", str(150_000), "--checksums", checksums])
     assert row["checksums"] == checksums and row["exact"] and row["disk_read"] > 0
+
+
+def test_the_checksum_ab_runs_on_off_off_on_so_that_a_drift_of_the_disk_cancels(
+    bench_disk: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk that slows by the same step each run (1.0, 1.1, 1.2, 1.3 s) costs the checksums nothing."""
+    runs: list[str] = []
+
+    def child(args: Any, extra: list[str]) -> dict[str, Any]:
+        checksums = extra[extra.index("--checksums") + 1] if "--checksums" in extra else "on"
+        runs.append(checksums)
+        return {"checksums": checksums, "step_s": 1.0 + 0.1 * len(runs)}
+
+    monkeypatch.setattr(bench_disk, "child", child)
+    on = {"step_s": 1.0}
+    assert bench_disk.checksum_cost(argparse.Namespace(), 1, on) == pytest.approx(0.0)
+    assert runs == ["off", "off", "on"]
