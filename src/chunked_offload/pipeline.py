@@ -12,7 +12,7 @@ from .held import HeldWriteBacks
 from .layout import Layout, Views, chunk_views
 from .planner import Chunk, Home, Role
 from .prefetch import Prefetcher
-from .staging import Slot, SlotState, StagingPool
+from .staging import Slot, SlotState, StagingPool, fit_slots
 from .stepping import ChunkHooks, ChunkStepper
 from .storage import Store
 from .transaction import Pending
@@ -55,6 +55,7 @@ class ChunkPipeline:
         self.stepper: ChunkStepper | None = None
         self.ahead = Prefetcher(self)  # what ``opt.prefetch()`` staged for the next step
         self.held = HeldWriteBacks(engine, pool)  # [Note: Held write-back] in held.py
+        self._swaps: dict[int, Slot] = {}  # chunk index -> the slot that swaps its spare in to stage it
 
     def bind(self, layout: Layout, stepper: ChunkStepper) -> None:
         """Step the chunks of a newly installed layout from now on."""
@@ -97,15 +98,26 @@ class ChunkPipeline:
         entries = [state.get(layout.infos[i].param, {}) for c in chunks for i in c.params]
         return [local(t)._version for entry in entries for t in entry.values() if isinstance(t, torch.Tensor)]
 
-    def start(self, chunks: Sequence[Chunk], fresh: Sequence[bool], depth: int) -> dict[int, Event]:
+    def start(
+        self, chunks: Sequence[Chunk], fresh: Sequence[bool], depth: int, *, in_order: bool = False
+    ) -> dict[int, Event]:
         """Take the slots' memory when any chunk is staged, order this step's H2D after the last write-back, and
-        start the H2D of the first ``depth`` chunks; returns their events by position.
+        start the H2D of the first ``depth`` chunks; returns their events by position. ``in_order``: the chunks
+        stage in this order, position ``i`` in slot ``i % num_slots``: the slots fit them.
 
         Runs on the caller's stream: the slots' blocks come from its pool, so that forward and backward reuse them
         between steps ([Note: Slot memory between steps]).
         """
         layout = self._require()[0]
+        self._swaps = {}
         if not all(fresh):
+            fitted = None
+            if in_order and not any(fresh) and not self.held.slots:  # [Note: Slots fit their chunks]
+                slots = len(self.pool.slots)
+                sizes = [c.device_nbytes for c in chunks]
+                fitted, swaps = fit_slots(sizes, slots, slots * layout.plan.slot_nbytes)
+                self._swaps = {chunks[p].index: self.pool.slots[k] for p, k in swaps.items()}
+            self.pool.fitted = fitted
             self.pool.acquire(layout.plan.slot_nbytes)
         staged = [c for c, f in zip(chunks, fresh, strict=True) if not f]
         for store in layout.stores.values():  # a store behind the host reads the chunks staged first ahead
@@ -121,6 +133,9 @@ class ChunkPipeline:
         """The H2D of a chunk that has state (a D2D for resident chunks, nothing for one-op ones); see [Note: Two-slot
         staging]."""
         n = 0 if self.require_stepper().in_one_op(chunk) else chunk.transfer_nbytes  # [Note: One-op updates]
+        if self._swaps.get(chunk.index) is slot and slot.state in (SlotState.FREE, SlotState.DRAINING):
+            del self._swaps[chunk.index]
+            self.pool.shrink(slot, self.engine.d2h_stream)  # [Note: Slots fit their chunks]
         buffer = self._buffer(slot)
         if chunk.index in self.held.landing:
             self.engine.h2d_after(

@@ -178,7 +178,9 @@ class StepSchedule:
             run.owned.take(grads, copy=not self.keep_grads)
             if self.keep_grads:
                 self.kept.record(grads)
-            run.events = events if events is not None else pipeline.start(chunks, fresh, pipeline.lookahead)
+            if events is None:
+                events = pipeline.start(chunks, fresh, pipeline.lookahead, in_order=True)
+            run.events = events
         except BaseException as exc:
             self._fail(run, exc)
             raise

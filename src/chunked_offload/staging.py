@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["Slot", "SlotState", "StagingPool"]
+__all__ = ["Slot", "SlotState", "StagingPool", "fit_slots"]
+
+SHRINK = 0.75  # a slot takes a smaller spare where its chunks' size falls to this share of its first ones, or below
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -47,6 +50,7 @@ class Slot:
             read every slot byte below ``end``, so an H2D may overwrite them (see [Note: Piecewise copies]).
         retained: device tensors (freshly created state) that an in-flight D2H still reads.
         homes_copied: the staged chunk is resident and the slot holds a copy of its homes, for its rollback.
+        spare: smaller memory the slot swaps in once its larger chunks are done ([Note: Slots fit their chunks]).
     """
 
     def __init__(self, index: int) -> None:
@@ -59,6 +63,7 @@ class Slot:
         # Set when the buffer is (re)allocated on the compute stream: the next H2D must first wait for that stream.
         self.needs_fence = False
         self.homes_copied = False
+        self.spare: torch.Tensor | None = None
 
     def advance(self, expected: tuple[SlotState, ...], to: SlotState) -> None:
         """Move to ``to``, asserting the slot is in one of ``expected`` states."""
@@ -96,6 +101,17 @@ class StagingPool:
     be in use by work queued on the compute stream before it was freed, so the first H2D into it waits for that
     stream (``needs_fence``).
 
+    [Note: Slots fit their chunks]
+    A step whose chunks all have state and run in an order known at its start (``StepSchedule``, no held
+    write-back) gives slot ``k`` the bytes of the largest chunk it will hold (positions ``k``, ``k + num_slots``, ...),
+    not the plan's largest. Where that size falls to ``SHRINK`` of it or below after the slot's first chunks (a param
+    larger than the chunk size, such as Megatron's embedding, stepped first), the slot also takes a spare of the
+    smaller size, when both fit in ``num_slots * slot_nbytes``. The stage of the first smaller chunk swaps the spare
+    in (``shrink``): the larger memory goes back to the allocator, recorded on the D2H stream after the write-back
+    that last read it. The spare was taken with the slots, on the caller's stream, before the step stream waited for
+    it, so its first H2D needs only the fence of fresh memory. The slots stay within the window, and the step's last
+    chunks hold memory of their own size: with ``overlap=True`` that is what the next forward shares the GPU with.
+
     Args:
         num_slots: number of slots (>= 1).
         device: the device the slots live on.
@@ -104,30 +120,37 @@ class StagingPool:
     def __init__(self, num_slots: int, device: torch.device) -> None:
         self.slots = [Slot(i) for i in range(num_slots)]
         self.device = device
+        self.fitted: Sequence[tuple[int, int]] | None = None  # the next acquire's sizes, from fit_slots
 
     @property
     def allocated(self) -> bool:
         """Whether the slots hold device memory now."""
-        return any(s.buffer is not None for s in self.slots)
+        return any(s.buffer is not None or s.spare is not None for s in self.slots)
 
     def slot_for(self, position: int) -> Slot:
         """The slot used by the ``position``-th chunk of a step."""
         return self.slots[position % len(self.slots)]
 
     def acquire(self, slot_nbytes: int) -> None:
-        """Give every slot ``slot_nbytes`` bytes of device memory; on an allocation failure release what it took.
+        """Give every slot ``slot_nbytes`` bytes of device memory, or, where ``fitted`` is set (for this acquire
+        only), slot ``k`` ``fitted[k]``: its bytes and its spare's ([Note: Slots fit their chunks]). On an allocation
+        failure release what it took.
 
         A slot that still has memory of that size keeps it, with its events: it holds a write-back from the last
         step ([Note: Held write-back] in held.py).
         """
+        fitted, self.fitted = self.fitted, None
         taken = []
         try:
-            for slot in self.slots:
-                if slot.buffer is not None and slot.buffer.numel() == slot_nbytes:
+            for k, slot in enumerate(self.slots):
+                nbytes, spare = fitted[k] if fitted is not None else (slot_nbytes, 0)
+                if slot.buffer is not None and slot.buffer.numel() == nbytes and not spare:
                     continue
                 taken.append(slot)
-                slot.buffer = None
-                slot.buffer = torch.empty(slot_nbytes, dtype=torch.uint8, device=self.device)
+                slot.buffer = slot.spare = None
+                slot.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                if spare:
+                    slot.spare = torch.empty(spare, dtype=torch.uint8, device=self.device)
                 slot.needs_fence = True
                 slot.free_event = None
                 slot.read_marks = []
@@ -135,6 +158,26 @@ class StagingPool:
             for slot in taken:
                 self.release_slot(slot, None)
             raise
+
+    def shrink(self, slot: Slot, stream: torch.cuda.Stream | None) -> None:
+        """Swap the slot's spare in ([Note: Slots fit their chunks]): its larger memory goes back to the allocator,
+        which reuses it once ``stream``'s work so far is done (there the write-back that last read it is enqueued).
+        The slot is FREE or DRAINING: no chunk is staged in it."""
+        spare, slot.spare = slot.spare, None
+        if spare is None or slot.buffer is None:
+            return
+        if stream is not None:
+            slot.buffer.record_stream(stream)  # as in release_slot
+        free_storage(slot.buffer)
+        slot.buffer = spare
+        slot.needs_fence = True  # taken before the step stream waited for the caller's: that wait covers it
+        slot.free_event = None  # no write-back has read it
+        slot.read_marks = []
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory the slots hold now, their spares included."""
+        return sum(t.numel() for s in self.slots for t in (s.buffer, s.spare) if t is not None)
 
     def release(self, stream: torch.cuda.Stream | None, keep: Sequence[Slot] = ()) -> None:
         """Hand the slots' memory back to the allocator, which reuses it once ``stream``'s work so far is done.
@@ -154,8 +197,31 @@ class StagingPool:
                 # stream still reads the last chunk from it.
                 slot.buffer.record_stream(stream)
             free_storage(slot.buffer)
-        slot.buffer = None
+        if slot.spare is not None:
+            free_storage(slot.spare)  # never used: no stream read it
+        slot.buffer = slot.spare = None
         slot.retained.clear()
         slot.free_event = None
         slot.read_marks = []
         slot.reset()
+
+
+def fit_slots(nbytes: Sequence[int], num_slots: int, window: int) -> tuple[list[tuple[int, int]], dict[int, int]]:
+    """For the chunks of a step, their slot bytes in step order: each slot's ``(bytes, spare bytes)`` and, by
+    position, the slot that swaps its spare in before staging that chunk ([Note: Slots fit their chunks]). No spares
+    where they would not fit in ``window`` beside the slots."""
+    fitted: list[tuple[int, int]] = []
+    swaps: dict[int, int] = {}
+    for k in range(num_slots):
+        positions = range(k, len(nbytes), num_slots)
+        largest_from = list(itertools.accumulate((nbytes[p] for p in reversed(positions)), max))[::-1]
+        size = largest_from[0] if largest_from else 0
+        later = next((j for j in range(1, len(largest_from)) if largest_from[j] <= SHRINK * size), None)
+        if later is None:
+            fitted.append((size, 0))
+        else:
+            fitted.append((size, largest_from[later]))
+            swaps[positions[later]] = k
+    if sum(a + b for a, b in fitted) > window:
+        return [(a, 0) for a, _ in fitted], {}
+    return fitted, swaps

@@ -67,7 +67,7 @@ class StepRecord:
         else:
             self.h2d += n
             self.d2h += n
-        held = sum(0 if s.buffer is None else s.buffer.numel() for s in pool.slots)
+        held = pool.nbytes
         held += sum(t.untyped_storage().nbytes() for s in pool.slots for t in s.retained)
         self.window = max(self.window, held)
 

@@ -1,0 +1,70 @@
+"""[Note: Slots fit their chunks] on a GPU: the larger memory a slot hands back during a step is not reused while
+the write-back that last read it still runs (every chunk's step slowed on its stream), bitwise with the plain loop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from chunked_offload import ChunkedOffloadOptimizer
+from chunked_offload.staging import StagingPool
+from reference import assert_equal, slowed_chunk_steps
+
+pytestmark = pytest.mark.cuda
+
+VOCAB = 16384
+
+
+class _Net(torch.nn.Module):
+    """An embedding far larger than the layers after it, stepped first: Megatron's GPTModel in small."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 1024)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(1024, 1024) for _ in range(12))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = torch.nn.functional.gelu(layer(h))
+        return h
+
+
+def _train(mode: str) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = _Net().cuda()
+    opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    if mode != "plain":
+        opt = ChunkedOffloadOptimizer(opt, chunk_size_mb=24, overlap=mode == "overlap")
+        if mode == "overlap":
+            opt.attach(model)
+    for i in range(4):
+        x = torch.randint(0, VOCAB, (8, 512), generator=torch.Generator().manual_seed(i)).cuda()
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    if mode == "overlap":
+        opt.wait_step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("mode", ["sync", "overlap"])
+def test_slot_memory_handed_back_during_a_step_is_not_reused_under_its_write_back(
+    mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shrunk: list[int] = []
+    real = StagingPool.shrink
+
+    def counting(pool: StagingPool, slot: Any, stream: Any) -> None:
+        shrunk.append(slot.buffer.numel() - slot.spare.numel())
+        real(pool, slot, stream)
+
+    monkeypatch.setattr(StagingPool, "shrink", counting)
+    expected = _train("plain")
+    with slowed_chunk_steps():
+        got = _train(mode)
+    assert shrunk and all(n > 0 for n in shrunk)
+    for i, (a, b) in enumerate(zip(expected, got, strict=True)):
+        assert_equal(a, b, f"param {i}")
