@@ -248,6 +248,7 @@ def test_reconcile_and_back_up_applies_the_rule_and_copies_each_param(
     from chunked_offload import masters
 
     monkeypatch.setattr(masters, "FUSED_RECONCILE", fused)
+    monkeypatch.setattr(masters, "FUSED_MIN_NUMEL", 0)  # the kernel for every size
     cases = []
     for dtype, shape, permute, backup_permuted in [
         (torch.bfloat16, (2**19,), (0,), False), (torch.float16, (2**19,), (0,), False),
@@ -279,3 +280,22 @@ def _laid_out(t: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
 
 def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(sorted(range(len(order)), key=order.__getitem__))
+
+
+@pytest.mark.cuda
+def test_small_masters_take_the_torch_operations_and_large_ones_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below ``FUSED_MIN_NUMEL`` elements the kernel's launch would cost more host time than its passes save. Told
+    apart without a backup: the torch operations write their scratch there, the kernel leaves it alone."""
+    from chunked_offload import masters
+
+    pytest.importorskip("triton")
+    monkeypatch.setattr(masters, "FUSED_MIN_NUMEL", 1024)
+    params = [torch.randn(n, device="cuda").to(torch.bfloat16) for n in (1023, 1024, 4096)]
+    mains = [p.float() + 1e-3 for p in params]
+    expected = [_edit_rule(p, m) for p, m in zip(params, mains, strict=True)]
+    backups = [torch.empty_like(p).view(torch.int16).fill_(0x1234).view(torch.bfloat16) for p in params]
+    masters.reconcile_and_back_up(params, mains, backups, back_up=False)
+    untouched = [bool((b.view(torch.int16) == 0x1234).all()) for b in backups]
+    assert untouched == [False, True, True]
+    for got, want in zip(mains, expected, strict=True):
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))

@@ -210,6 +210,9 @@ def reconcile_masters(
 # Whether CUDA masters reconcile through the one-pass kernel of [Note: Fused reconcile] where Triton is present (the
 # benchmarks turn it off to time the torch operations).
 FUSED_RECONCILE = True
+# Masters smaller than this take the torch operations: a foreach call per pass serves all of them, where the kernel's
+# launch costs each about 90 us of host time on an H100 host, and their bytes are few (a layer norm's, a bias's).
+FUSED_MIN_NUMEL = 2**22
 _fused_kernel: list[Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], None] | None] = []
 
 
@@ -223,12 +226,13 @@ def reconcile_and_back_up(
     """:func:`reconcile_masters` with ``backups`` as its scratch, then each param copied into its backup (unless
     ``back_up`` is False: a chunk updated in one op needs none, [Note: One-op updates] in stepping.py).
 
-    CUDA masters in their param's dense layout go through the one-pass kernel of [Note: Fused reconcile]; the rest
-    through the torch operations. Both leave the same bits, and both may be run again on what either left.
+    CUDA masters of ``FUSED_MIN_NUMEL`` elements or more in their param's dense layout go through the one-pass kernel
+    of [Note: Fused reconcile]; the rest through the torch operations. Both leave the same bits, and both may be run
+    again on what either left.
     """
     rest = []
     for p, m, b in zip(params, masters, backups, strict=True):
-        kernel = _kernel() if m.is_cuda and m.numel() and FUSED_RECONCILE else None
+        kernel = _kernel() if m.is_cuda and m.numel() >= max(FUSED_MIN_NUMEL, 1) and FUSED_RECONCILE else None
         if kernel is None or not (m.stride() == p.stride() == b.stride() and is_dense(m)):
             rest.append((p, m, b))
             continue
