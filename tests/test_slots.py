@@ -56,15 +56,17 @@ def _loop(mode: str) -> tuple[torch.nn.Module, Any]:
     model = _Net()
     opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     if mode != "plain":
-        opt = ChunkedOffloadOptimizer(opt, chunk_size_mb=2 / 1024, overlap=mode == "overlap")
-        if mode == "overlap":
+        opt = ChunkedOffloadOptimizer(
+            opt, chunk_size_mb=2 / 1024, overlap=mode == "overlap", step_in_backward=mode == "backward"
+        )
+        if mode != "sync":
             opt.attach(model)
     for i in range(4):
         x = torch.randint(0, 64, (3, 5), generator=torch.Generator().manual_seed(i))
         model(x).float().square().mean().backward()
         opt.step()
         opt.zero_grad()
-    if mode == "overlap":
+    if mode in ("overlap", "backward"):
         opt.wait_step()  # the chunks deferred to a next forward
     return model, opt
 
@@ -90,3 +92,14 @@ def test_a_step_hands_back_the_larger_slot_memory_and_stays_bitwise(mode: str, m
     assert len(shrunk) == 6  # both slots, in every step but the first (which creates the state on the device)
     assert all(before > spare for before, spare in shrunk) and max(b for b, _ in shrunk) == plan.slot_nbytes
     assert opt.stats is not None and opt.stats.window_bytes < plan.num_slots * plan.slot_nbytes
+
+
+def test_a_step_in_the_backward_keeps_its_slots_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its chunks step in the order the grads come, and its last write-backs stay in their slots: no spare."""
+    shrunk: list[Any] = []
+    monkeypatch.setattr(StagingPool, "shrink", lambda pool, slot, stream: shrunk.append(slot))
+    plain, _ = _loop("plain")
+    model, _ = _loop("backward")
+    for (name, a), b in zip(plain.named_parameters(), model.parameters(), strict=True):
+        assert_equal(a, b, name)
+    assert shrunk == []
