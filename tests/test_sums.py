@@ -40,9 +40,9 @@ def test_pieces_are_summed_on_several_threads_at_once(monkeypatch: pytest.Monkey
     started = threading.Barrier(4, timeout=10)
     real = sums.checksum
 
-    def meeting(data: torch.Tensor, value: int = 0) -> int:
+    def meeting(data: torch.Tensor) -> int:
         started.wait()
-        return real(data, value)
+        return real(data)
 
     monkeypatch.setattr(sums, "checksum", meeting)
     data = torch.arange(4096).to(torch.uint8)
@@ -57,13 +57,13 @@ def test_a_failed_sum_fails_the_result_and_settle_leaves_no_sum_running(monkeypa
     running = [0]
     real = sums.checksum
 
-    def slow_or_failing(data: torch.Tensor, value: int = 0) -> int:
+    def slow_or_failing(data: torch.Tensor) -> int:
         if data.numel() == 1:
             raise OSError("injected")
         running[0] += 1
         time.sleep(0.05)
         running[0] -= 1
-        return real(data, value)
+        return real(data)
 
     monkeypatch.setattr(sums, "checksum", slow_or_failing)
     with ThreadPoolExecutor(2) as pool:

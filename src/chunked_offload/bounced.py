@@ -13,7 +13,7 @@ from .disk_io import aligned_buffer
 from .host_arena import typed_view
 from .planner import Chunk, Home, TensorSpec
 from .storage import IOStats
-from .sums import PieceSums
+from .sums import SUM_THREADS, PieceSums
 
 __all__ = ["BouncedStore", "ChunkIntegrityError"]
 
@@ -71,7 +71,7 @@ class BouncedStore:
         self.failed: dict[int, str] = {}
         self._bounces = [_Bounce(bounce_nbytes, pin) for _ in range(bounces)]
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="chunked_offload-store")
-        self._summer = ThreadPoolExecutor(max_workers=4, thread_name_prefix="chunked_offload-sum")  # beside the I/O
+        self._summer = ThreadPoolExecutor(max_workers=SUM_THREADS, thread_name_prefix="chunked_offload-sum")
         self._expected: list[int] = []  # chunks a step will stage, in order, not yet read
 
     # ------------------------------------------------------------------ the backend

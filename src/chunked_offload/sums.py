@@ -9,17 +9,17 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
-__all__ = ["SUM_PIECE", "PieceSums", "checksum", "crc32_join"]
+__all__ = ["SUM_PIECE", "SUM_THREADS", "PieceSums", "checksum", "crc32_join"]
 
 SUM_PIECE = 8 * 2**20  # the bytes one thread sums at a time: the last piece of a read is what a reader waits for
+SUM_THREADS = 4  # the threads a store sums on, beside its I/O
 
 _POLY = 0xEDB88320  # the CRC-32 polynomial without its x^32 term, in zlib's reflected bit order (bit 31 is x^0)
 
 
-def checksum(data: torch.Tensor, value: int = 0) -> int:
-    """CRC-32 of the bytes of the uint8 CPU tensor ``data``, continuing from ``value`` (zlib lets other threads run
-    meanwhile)."""
-    return zlib.crc32(memoryview(data.numpy()).cast("B"), value) if data.numel() else value  # type: ignore[arg-type]
+def checksum(data: torch.Tensor) -> int:
+    """CRC-32 of the bytes of the uint8 CPU tensor ``data`` (zlib lets other threads run meanwhile)."""
+    return zlib.crc32(memoryview(data.numpy()).cast("B")) if data.numel() else 0  # type: ignore[arg-type]
 
 
 def _times(a: int, b: int) -> int:
