@@ -89,19 +89,6 @@ GPU_CASES = ["base", "structure=sequential", "scope=blocks", "scope=inplace", "a
              "structure=dict-scope=inplace-attach=after-checkpointing=non-reentrant"]  # fmt: skip
 
 
-@pytest.fixture
-def deterministic() -> Any:
-    import os
-
-    before = torch.are_deterministic_algorithms_enabled()
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before)
-
-
 @pytest.mark.parametrize("name", GPU_CASES)
 def test_the_compile_matrix_matches_the_plain_compiled_loop_at_gpu_sizes(name: str, deterministic: Any) -> None:
     import test_compile as matrix

@@ -5,7 +5,6 @@ the step stream emulated (tests/test_fsdp_overlap.py); this one has FSDP2's own 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -15,7 +14,7 @@ import fsdp_cases
 from fsdp_cases import CASES, Case
 from reference import slowed_chunk_steps
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("deterministic")]
 DIMS = (4096, 512, 4)  # vocab, width, blocks: the output projection and the embedding are 8 MiB each
 CHUNK_MB = 4.0
 STEPS = 5
@@ -25,17 +24,6 @@ STEPS = 5
 def world_of_one() -> Iterator[None]:
     with fsdp_cases.world_of_one(torch.device("cuda", torch.cuda.current_device())):
         yield
-
-
-@pytest.fixture(autouse=True)
-def deterministic() -> Iterator[None]:
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read by cuBLAS when a handle is made
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(previous)
 
 
 def _plain(case: Case, device: torch.device) -> tuple[fsdp_cases.Net, torch.Tensor]:
