@@ -453,9 +453,9 @@ def main() -> int:
             f"{row['step_s'] / floor if floor else float('nan'):>8.2f} {tier:>5} {direct:>8.2f} "
             f"{row['step_s'] / row['at_once_floor'] if row['at_once_floor'] else float('nan'):>9.2f} "
             f"{row['disk_gbps']:>9.2f} {row['disk_exposed_s']:>8.3f} {cost:>8} "
-            f"{row['disk_checksum_s'] / row['step_s']:>9.2%} {peak:>20.2f} "
-            f"{(row['rss_built'] - row['rss_base']) / GiB:>12.2f} "
-            f"{row['host_bound'] / GiB:>15.2f} {row['exact']!s:>6}"
+            f"{row['disk_checksum_s'] / row['step_s']:>9.2%} {peak:>20.3f} "
+            f"{(row['rss_built'] - row['rss_base']) / GiB:>12.3f} "
+            f"{row['host_bound'] / GiB:>15.3f} {row['exact']!s:>6}"
         )
     print("peaks over the base, sampled every 2 ms (GiB): " + "; ".join(
         f"{row['on_disk'] / max(row['state'], 1):.0%} on disk: anonymous "
