@@ -28,6 +28,17 @@ def free_storage(t: torch.Tensor) -> None:
         t.untyped_storage().resize_(0)
 
 
+def hand_back(buffer: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+    """Give ``buffer``'s memory back to the allocator, which reuses it once ``stream``'s work so far is done.
+
+    Without ``record_stream`` the allocator could give the block to the next forward while the D2H stream still reads
+    the last chunk from it.
+    """
+    if stream is not None:
+        buffer.record_stream(stream)
+    free_storage(buffer)
+
+
 class SlotState(enum.Enum):
     """Host-side lifecycle of a slot, in enqueue order (the device catches up through events)."""
 
@@ -169,9 +180,7 @@ class StagingPool:
         spare, slot.spare = slot.spare, None
         if spare is None or slot.buffer is None:
             return
-        if stream is not None:
-            slot.buffer.record_stream(stream)  # as in release_slot
-        free_storage(slot.buffer)
+        hand_back(slot.buffer, stream)
         slot.buffer = spare
         slot.needs_fence = True  # taken before the step stream waited for the caller's: that wait covers it
         slot.free_event = None  # no write-back has read it
@@ -195,11 +204,7 @@ class StagingPool:
     def release_slot(self, slot: Slot, stream: torch.cuda.Stream | None) -> None:
         """Hand one slot's memory back (see ``release``)."""
         if slot.buffer is not None:
-            if stream is not None:
-                # Without record_stream the allocator could give this block to the next forward while the D2H
-                # stream still reads the last chunk from it.
-                slot.buffer.record_stream(stream)
-            free_storage(slot.buffer)
+            hand_back(slot.buffer, stream)
         if slot.spare is not None:
             free_storage(slot.spare)  # never used: no stream read it
         slot.buffer = slot.spare = None
