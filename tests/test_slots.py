@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from chunked_offload import ChunkedOffloadOptimizer
-from chunked_offload.staging import StagingPool, fit_slots
+from chunked_offload.staging import StagingPool, fit_order, fit_slots
 from reference import assert_equal, internals
 
 
@@ -33,6 +33,34 @@ def test_no_spare_where_it_would_not_fit_in_the_window() -> None:
 
 def test_a_slot_without_chunks_takes_nothing() -> None:
     assert fit_slots([7], 2, window=14) == ([(7, 0), (0, 0)], {})
+
+
+def test_chunks_larger_than_the_rest_step_early_in_the_first_ones_slot() -> None:
+    """Megatron's GPTModel in read order: the embedding first, the output layer last (each a slot's 45)."""
+    sizes = [45, 1, 1, 5, 3, 5, 3, 5, 3, 5, 3, 45]
+    order = fit_order(sizes, 2, window=90)
+    assert order == [0, 1, 11, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert fit_slots([sizes[p] for p in order], 2, window=90) == ([(45, 5), (3, 0)], {4: 0})
+    assert fit_slots(sizes, 2, window=90) == ([(45, 0), (45, 0)], {})  # the read order: two large slots to the end
+
+
+def test_fit_order_keeps_the_eager_chunks_and_moves_the_larger_ones_after_them() -> None:
+    sizes = [2, 45, 1, 3, 3, 3, 45, 3]  # position 0 steps eagerly (resident); 1 and 6 are larger than the rest
+    assert fit_order(sizes, 2, window=90, start=1) == [0, 1, 2, 6, 3, 4, 5, 7]
+
+
+@pytest.mark.parametrize(
+    "sizes, window",
+    [
+        ([5, 5, 5, 5], 10),  # none larger than the rest
+        ([4, 4, 4, 10], 20),  # one: it keeps its place in the read order
+        ([10, 4, 4, 10], 20),  # in one slot, no chunk is left after them for a spare
+        ([10, 9, 9, 10, 9, 9], 20),  # all larger than SHRINK of the largest: nothing to fit
+        ([10, 1, 6, 6, 6, 10], 20),  # in one slot they would leave no room for a spare (10 + 6 + 6 > 20)
+    ],
+)
+def test_fit_order_keeps_the_read_order_where_it_gains_no_spare(sizes: list[int], window: int) -> None:
+    assert fit_order(sizes, 2, window) == list(range(len(sizes)))
 
 
 class _Net(torch.nn.Module):
@@ -103,3 +131,61 @@ def test_a_step_in_the_backward_keeps_its_slots_whole(monkeypatch: pytest.Monkey
     for (name, a), b in zip(plain.named_parameters(), model.parameters(), strict=True):
         assert_equal(a, b, name)
     assert shrunk == []
+
+
+class _TwoEnds(torch.nn.Module):
+    """An embedding read first and an output layer read last, each larger than the layers between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 16)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(5))
+        self.head = torch.nn.Linear(16, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = torch.nn.functional.gelu(layer(h))
+        return self.head(h)
+
+
+def _two_ends(wrapped: bool) -> tuple[torch.nn.Module, Any]:
+    torch.manual_seed(0)
+    model = _TwoEnds()
+    opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if wrapped:
+        opt = ChunkedOffloadOptimizer(opt, chunk_size_mb=4 / 1024, overlap=True)
+        opt.attach(model)
+    for i in range(4):
+        x = torch.randint(0, 64, (3, 5), generator=torch.Generator().manual_seed(i))
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    if wrapped:
+        opt.wait_step()
+    return model, opt
+
+
+@pytest.mark.parametrize("fitted", [True, False])
+def test_an_overlapped_step_puts_the_larger_chunks_at_both_ends_in_one_slot(
+    fitted: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In read order the output layer's chunk steps last, in the other slot than the embedding's: both slots stay
+    large to the step's end. Stepped early in the embedding's slot, that slot swaps in a spare after it."""
+    shrunk: list[int] = []
+    real = StagingPool.shrink
+
+    def recording(pool: StagingPool, slot: Any, stream: Any) -> None:
+        shrunk.append(slot.buffer.numel())
+        real(pool, slot, stream)
+
+    monkeypatch.setattr(StagingPool, "shrink", recording)
+    if not fitted:
+        monkeypatch.setattr("chunked_offload.schedule.fit_order", lambda nbytes, *a, **k: list(range(len(nbytes))))
+    plain, _ = _two_ends(wrapped=False)
+    model, opt = _two_ends(wrapped=True)
+    for (name, a), b in zip(plain.named_parameters(), model.parameters(), strict=True):
+        assert_equal(a, b, name)
+    plan = internals(opt).placement.layout.plan
+    larger = [n for n in shrunk if n == plan.slot_nbytes]  # the head's bias, last, lets the other slot shrink too
+    assert larger == ([plan.slot_nbytes] * 3 if fitted else [])  # every step but the first, which makes the state

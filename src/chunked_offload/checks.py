@@ -236,6 +236,11 @@ def check_master_mode(inner: torch.optim.Optimizer, adapter: Adapter, mode: Mast
             )
 
 
+def _where(info: ParamInfo) -> str:
+    p = info.param
+    return f"param {info.index} (shape {tuple(p.shape)}, dtype {p.dtype}, device {p.device})"
+
+
 def check_grads(infos: Sequence[ParamInfo], adapter: Adapter) -> None:
     """Every grad fits its param; checked for all chunks before any is modified."""
     inner_masters = adapter.owns_masters()
@@ -243,17 +248,16 @@ def check_grads(infos: Sequence[ParamInfo], adapter: Adapter) -> None:
         p, grad = info.param, adapter.grad_of(info.param)
         if grad is None:
             continue
-        where = f"param {info.index} (shape {tuple(p.shape)}, dtype {p.dtype}, device {p.device})"
         if grad.is_sparse or grad.layout != torch.strided:
             raise RuntimeError(
-                f"{where} has a {grad.layout} gradient; chunked offload stages dense state only. Use dense "
+                f"{_where(info)} has a {grad.layout} gradient; chunked offload stages dense state only. Use dense "
                 "gradients (e.g. nn.Embedding(sparse=False))"
             )
         fp32_fits = info.has_master or inner_masters  # an fp32 grad of a param with an fp32 master: exact
         dtype_fits = grad.dtype == p.dtype or (fp32_fits and grad.dtype == torch.float32)
         if grad.shape != p.shape or not dtype_fits or grad.device != p.device:
             raise RuntimeError(
-                f"{where} has a grad of shape {tuple(grad.shape)}, dtype {grad.dtype} on {grad.device}; a grad "
+                f"{_where(info)} has a grad of shape {tuple(grad.shape)}, dtype {grad.dtype} on {grad.device}; a grad "
                 "must match its param (was the param resized or converted after backward?). Zero the grads "
                 "(opt.zero_grad()) and run backward again"
             )

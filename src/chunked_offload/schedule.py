@@ -17,6 +17,7 @@ from .failures import note_failure
 from .inputs import KeptGrads, OwnedGrads, ParamWatch
 from .pipeline import ChunkPipeline, Event, Pending
 from .planner import Chunk, Home
+from .staging import fit_order
 from .telemetry import CHUNK_SCOPE, StepRecord
 
 __all__ = ["ReadOrder", "StepSchedule"]
@@ -264,9 +265,16 @@ class StepSchedule:
 
     def order(self, chunks: list[Chunk]) -> None:
         """Sort the chunks of an overlapped step with an attached model: eager ones first, then by the last forward's
-        reads ([Note: Read order])."""
+        reads ([Note: Read order]); chunks larger than the rest step early, in one slot (``fit_order``)."""
         self.reads.sort(chunks)
-        chunks.sort(key=lambda c: not self.eager(c))  # stable: the eager chunks first, in that order
+        eager = [self.eager(c) for c in chunks]
+        chunks[:] = [c for c, e in zip(chunks, eager, strict=True) if e] + [
+            c for c, e in zip(chunks, eager, strict=True) if not e
+        ]
+        slots = len(self.pipeline.pool.slots)
+        window = slots * self.pipeline.require_layout().plan.slot_nbytes
+        order = fit_order([c.device_nbytes for c in chunks], slots, window, start=sum(eager))
+        chunks[:] = [chunks[p] for p in order]
 
     def eager(self, chunk: Chunk) -> bool:
         """Whether ``chunk`` steps inside ``step()`` ([Note: Deferred chunks]): it is resident, or a param of it with a
