@@ -24,6 +24,7 @@ Commands:
     PYTHONPATH=src:tests:benchmarks python3 benchmarks/bench_disk.py                  # GPU: 1e9 params; CPU: tiny
     PYTHONPATH=src:tests:benchmarks python3 benchmarks/bench_disk.py --capacity-params 1.1e10 --capacity-host-gib 64
     PYTHONPATH=src:tests:benchmarks python3 benchmarks/bench_disk.py --writes buffered   # the A/B of the tier's writes
+    PYTHONPATH=src:tests:benchmarks python3 benchmarks/bench_disk.py --shares 0.25 --ab-rounds 3   # the checksums' A/B
 """
 
 from __future__ import annotations
@@ -354,14 +355,19 @@ def child(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def checksum_cost(args: argparse.Namespace, budget: int, on: dict[str, Any]) -> float:
-    """The step with checksums (``on``, then once more) against the same share with them replaced by a constant, run
-    on, off, off, on: a disk that slows over the runs (its write cache filling) weighs on both sides alike."""
-    offs = [child(args, ["--one", "--host-budget", str(budget), "--checksums", "off"]) for _ in range(2)]
-    if any(off["checksums"] != "off" for off in offs):
-        raise RuntimeError(f"the A/B's runs without checksums ran with checksums {[o['checksums'] for o in offs]}")
-    again = child(args, ["--one", "--host-budget", str(budget)])
-    return (on["step_s"] + again["step_s"]) / (offs[0]["step_s"] + offs[1]["step_s"]) - 1
+def checksum_cost(args: argparse.Namespace, budget: int, on: dict[str, Any]) -> list[float]:
+    """The step with checksums against the same share with them replaced by a constant, in ``args.ab_rounds`` rounds
+    each run on, off, off, on (the first round's first ``on`` is ``on``): a disk that slows over the runs (its write
+    cache filling) weighs on both sides alike. One cost per round; their spread shows the A/B's noise."""
+    costs = []
+    for round_ in range(args.ab_rounds):
+        first = on if round_ == 0 else child(args, ["--one", "--host-budget", str(budget)])
+        offs = [child(args, ["--one", "--host-budget", str(budget), "--checksums", "off"]) for _ in range(2)]
+        if any(off["checksums"] != "off" for off in offs):
+            raise RuntimeError(f"the A/B's runs without checksums ran with checksums {[o['checksums'] for o in offs]}")
+        again = child(args, ["--one", "--host-budget", str(budget)])
+        costs.append((first["step_s"] + again["step_s"]) / (offs[0]["step_s"] + offs[1]["step_s"]) - 1)
+    return costs
 
 
 def main() -> int:
@@ -384,6 +390,12 @@ def main() -> int:
         "--checksums", choices=["on", "off"], default="on",
         help="off: the tier's CRC-32 of each chunk replaced by a constant (the A/B of [Note: Chunk integrity])",
     )  # fmt: skip
+    parser.add_argument(
+        "--ab-rounds",
+        type=int,
+        default=1,
+        help="rounds of the checksum A/B (on, off, off, on each); the median is shown",
+    )
     parser.add_argument("--host-budget", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--capacity", action="store_true", help=argparse.SUPPRESS)
@@ -419,7 +431,8 @@ def main() -> int:
         budget = host_only["budgets"][str(share)]
         row = host_only if share == 0 else child(args, ["--one", "--host-budget", str(budget)])
         if share and args.checksums == "on":
-            row["checksum_cost"] = checksum_cost(args, budget, row)
+            row["checksum_costs"] = checksum_cost(args, budget, row)
+            row["checksum_cost"] = statistics.median(row["checksum_costs"])
         link_floor = max(row["h2d"], row["d2h"]) / duplex
         disk_floor = row["disk_read"] / read_bw + row["disk_written"] / write_bw
         row["direct_floor"] = max(row["disk_read"] / direct_read, row["disk_written"] / direct_write, link_floor)
@@ -436,7 +449,8 @@ def main() -> int:
         "\nfloor: the link's, or the disk's read then written bytes at the rates above; x direct: against the larger "
         "of the bytes read over the O_DIRECT read rate and the bytes written over the tier's write rate (both at "
         "once); x at once: the same with the rates the disk gave while reading and writing at once; checksum: the step "
-        "against the same share with the checksums off (run on, off, off, on); sum waits: the time the disk's reads "
+        "against the same share with the checksums off (run on, off, off, on; the median of --ab-rounds); sum "
+        "waits: the time the disk's reads "
         "and writes waited for their checksums, a share of the step"
     )
     print(f"{'on disk':>8} {'step s':>8} {'floor s':>8} {'x floor':>8} {'bound':>5} {'x direct':>8} {'x at once':>9} "
@@ -457,6 +471,12 @@ def main() -> int:
             f"{(row['rss_built'] - row['rss_base']) / GiB:>12.3f} "
             f"{row['host_bound'] / GiB:>15.3f} {row['exact']!s:>6}"
         )
+    if args.ab_rounds > 1:
+        print("checksum A/B, each round (on, off, off, on): " + "; ".join(
+            f"{row['on_disk'] / max(row['state'], 1):.0%} on disk: "
+            + ", ".join(f"{c:+.1%}" for c in row["checksum_costs"])
+            for _share, row, _floor, _tier in rows if "checksum_costs" in row
+        ))  # fmt: skip
     print("peaks over the base, sampled every 2 ms (GiB): " + "; ".join(
         f"{row['on_disk'] / max(row['state'], 1):.0%} on disk: anonymous "
         f"{(row['anon_peak'] - row['anon_base']) / GiB:.3f} (bound {row['host_bound'] / GiB:.3f}), file-backed "

@@ -48,5 +48,23 @@ def test_the_checksum_ab_runs_on_off_off_on_so_that_a_drift_of_the_disk_cancels(
 
     monkeypatch.setattr(bench_disk, "child", child)
     on = {"step_s": 1.0}
-    assert bench_disk.checksum_cost(argparse.Namespace(), 1, on) == pytest.approx(0.0)
+    assert bench_disk.checksum_cost(argparse.Namespace(ab_rounds=1), 1, on) == [pytest.approx(0.0)]
     assert runs == ["off", "off", "on"]
+
+
+def test_each_round_of_the_checksum_ab_runs_on_off_off_on_and_gives_its_own_cost(
+    bench_disk: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round two's runs: checksums on 1.0 s, off 0.5 s twice, on 1.0 s: it costs +100%, round one nothing."""
+    runs: list[str] = []
+    off_seconds = [1.0, 1.0, 0.5, 0.5]
+
+    def child(args: Any, extra: list[str]) -> dict[str, Any]:
+        checksums = extra[extra.index("--checksums") + 1] if "--checksums" in extra else "on"
+        runs.append(checksums)
+        return {"checksums": checksums, "step_s": off_seconds.pop(0) if checksums == "off" else 1.0}
+
+    monkeypatch.setattr(bench_disk, "child", child)
+    costs = bench_disk.checksum_cost(argparse.Namespace(ab_rounds=2), 1, {"step_s": 1.0})
+    assert runs == ["off", "off", "on", "on", "off", "off", "on"]
+    assert costs == [pytest.approx(0.0), pytest.approx(1.0)]
