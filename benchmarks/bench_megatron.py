@@ -18,6 +18,9 @@ reduction, ``get_megatron_optimizer`` (Adam, clip 1.0), world size 1, ``--micro-
                       of the params that does not wait for the step overtakes it: bitwise only, its time is not kept
     hybrid            Megatron's HybridDeviceOptimizer (optimizer_cpu_offload, fraction 1.0, precision-aware): CPU step
     offload-restore   Megatron's offload_to_cpu() / restore_from_cpu() around each step
+    megatron-chunked  (named only; GPU) Megatron-LM dev's ChunkedOptimizerStateOffloader (#6244, not in a release):
+                      --megatron-path to a tree of that branch (scripts/megatron_dev.sh), fraction 1.0, --chunk-mb,
+                      its lifecycle called where dev's train_step calls it; the other variants then run on dev too
 Every variant runs ``--iters`` iterations in deterministic mode; its losses, params, fp32 mains and moments at the
 end are compared bitwise with the resident run's. Reported: s/iter (median of the iterations after ``--warmup``),
 the share of resident iterations/s kept, the peak GPU memory, the memory allocated once the variant is built (what
@@ -29,6 +32,7 @@ Commands:
     ... bench_megatron.py --variants wrapped-auto --host-profile 30   # where 3 more iterations' host time goes
     ... bench_megatron.py --fused    # Megatron's inner as torch's fused AdamW (one op: resident chunks need no copy)
     ... bench_megatron.py --te       # Megatron's precision-aware path: TE's FusedAdam keeps bf16-remainder masters
+    ... bench_megatron.py --megatron-path .megatron_dev --variants megatron-chunked   # Megatron's dev branch
 megatron-core 0.19.2 on the GPU: its wheel in .whl/ (``pip download --no-deps megatron-core==0.19.2``).
 """
 
@@ -56,6 +60,7 @@ VARIANTS = (
     "resident", "wrapped", "wrapped-auto", "overlap", "overlap-auto", "overlap-remainder", "overlap-slowed", "hybrid",
     "offload-restore",
 )  # fmt: skip
+DEV_VARIANTS = ("megatron-chunked",)  # on Megatron-LM's dev branch only (--megatron-path); run when named
 
 
 def build(variant: str, args: argparse.Namespace) -> tuple[Any, Any]:
@@ -90,11 +95,16 @@ def build(variant: str, args: argparse.Namespace) -> tuple[Any, Any]:
     if variant == "hybrid":
         options = {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0}
         options |= {"use_precision_aware_optimizer": True, "main_params_dtype": torch.float32}
+    if variant == "megatron-chunked":  # Megatron-LM dev's ChunkedOptimizerStateOffloader (#6244), all state
+        options |= {"chunked_optimizer_state_offload": True, "optimizer_state_offload_fraction": 1.0}
+        options["optimizer_state_offload_chunk_size_mb"] = max(1, round(args.chunk_mb))
     cfg = OptimizerConfig(
         optimizer="adam", lr=1e-4, weight_decay=0.1, bf16=True, clip_grad=1.0, use_distributed_optimizer=True,
         **options,
     )  # fmt: skip
     opt = get_megatron_optimizer(cfg, [ddp])
+    if variant == "megatron-chunked":  # as dev's train_step: the state comes back while the grads are finalized
+        ddp.config.finalize_model_grads_func = lambda *a, **k: opt.prefetch_optimizer_state_for_gradient_finalization()
     if args.fused and variant != "hybrid":  # torch's fused AdamW in every variant: one op per step, no rollback copy
         for d in getattr(opt, "chained_optimizers", [opt]):
             for group in d.optimizer.param_groups:
@@ -129,6 +139,8 @@ def iteration(ddp: Any, opt: Any, it: int, args: argparse.Namespace) -> float:
 
         return output, loss
 
+    if getattr(opt.config, "chunked_optimizer_state_offload", False):  # dev's train_step: state to the host first
+        opt.offload_optimizer_state_for_forward()
     ddp.zero_grad_buffer()
     opt.zero_grad()
     losses = forward_backward_no_pipelining(
@@ -318,6 +330,12 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> str:
     return "yes" if a["losses"] == b["losses"] and all(torch.equal(x, y) for x, y in pairs) else "NO"
 
 
+def commit(tree: Path) -> str:
+    """`` at <commit>`` of a tree scripts/megatron_dev.sh made, else nothing."""
+    recorded = tree / "COMMIT"
+    return f" at {recorded.read_text().strip()[:10]}" if recorded.is_file() else ""
+
+
 def main() -> int:
     gpu = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -341,13 +359,29 @@ def main() -> int:
     )  # fmt: skip
     parser.add_argument("--trace-variant", default="overlap", help="the variant --memory-trace traces")
     parser.add_argument("--te", action="store_true", help="Megatron's precision-aware path with TE's FusedAdam")
+    parser.add_argument(
+        "--megatron-path", type=Path, default=None,
+        help="import Megatron from this tree (a Megatron-LM checkout, or its megatron/core: scripts/megatron_dev.sh) "
+        "instead of the installed megatron-core; megatron-chunked needs Megatron-LM's dev branch",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.megatron_path is not None:
+        if not (args.megatron_path / "megatron" / "core" / "__init__.py").is_file():
+            parser.error(f"--megatron-path {args.megatron_path} holds no megatron/core/__init__.py")
+        sys.path.insert(0, str(args.megatron_path.resolve()))
+    unknown = set(args.variants.split(",")) - {"", *VARIANTS, *DEV_VARIANTS}
+    if unknown:
+        parser.error(f"unknown variants {', '.join(sorted(unknown))}: choose from {', '.join(VARIANTS + DEV_VARIANTS)}")
     if args.te and gpu and importlib.util.find_spec("transformer_engine") is None:
         parser.error("--te needs Transformer Engine installed (pip install transformer-engine[pytorch])")
     args.device = torch.device("cuda" if gpu else "cpu")
     variants = ["resident", "resident", *[v for v in args.variants.split(",") if v and v != "resident"]]
-    if not gpu:  # HybridDeviceOptimizer maps CPU copies to GPU params, and streams sleep: neither on the CPU
-        variants = [v for v in variants if v not in ("hybrid", "overlap-slowed")]
+    if not gpu:  # HybridDeviceOptimizer maps CPU copies to GPU params, streams sleep, and Megatron's chunked offload
+        # tells its host copies from the device's by is_cuda: none of them on the CPU
+        gpu_only = [v for v in variants if v in ("hybrid", "overlap-slowed", "megatron-chunked")]
+        variants = [v for v in variants if v not in gpu_only]
+        if gpu_only:
+            print(f"on the GPU only, not run: {', '.join(gpu_only)}")
     if args.te:  # TE's FusedAdam keeps the masters on that path (with --store-param-remainders: remainders)
         variants = [v for v in variants if not v.endswith("-remainder")]
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -369,6 +403,16 @@ def main() -> int:
 
             stack.enter_context(standing_in())
     with stack:
+        from megatron.core import package_info
+        from megatron.core.optimizer import OptimizerConfig
+
+        if "megatron-chunked" in args.variants.split(",") and not hasattr(
+            OptimizerConfig, "chunked_optimizer_state_offload"
+        ):
+            parser.error(
+                "megatron-chunked needs Megatron's ChunkedOptimizerStateOffloader, on Megatron-LM's dev branch only: "
+                "pass --megatron-path to a tree of it (scripts/megatron_dev.sh makes one)"
+            )
         torch.distributed.init_process_group("nccl" if gpu else "gloo", rank=0, world_size=1)
         from megatron.core import parallel_state
 
@@ -381,7 +425,9 @@ def main() -> int:
         print(
             f"{device_name(args.device)}, torch {torch.__version__}, commit {git_sha()}: GPTModel {params / 1e9:.3f} B "
             f"params ({args.layers} layers, hidden {args.hidden}), {args.micro_batches} x {args.micro_batch} x "
-            f"{args.seq} tokens, chunk {args.chunk_mb:g} MB; inner {inner.__module__}.{inner.__name__}"
+            f"{args.seq} tokens, chunk {args.chunk_mb:g} MB; inner {inner.__module__}.{inner.__name__}; megatron-core "
+            f"{package_info.__version__}"
+            + (f" from {args.megatron_path}{commit(args.megatron_path)}" if args.megatron_path else "")
             + (" (fused)" if args.fused else "")
             + (", precision-aware path" if args.te else "")
         )

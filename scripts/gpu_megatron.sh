@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: benchmarks/bench_megatron.py with megatron-core 0.19.2 from its wheel in .whl_mc/ (carry it).
 #   CHUNKED_OFFLOAD_SHA=$(git rev-parse --short HEAD) TAG=name bash scripts/gpu_megatron.sh [bench_megatron options]
-# With --te, Transformer Engine staged by ../shared/gpu/te-prepare.sh (/tmp/te-site) is put on the path; without it,
+# With --megatron-path .megatron_dev (scripts/megatron_dev.sh; carry it), Megatron-LM's dev branch instead, for the
+# megatron-chunked variant. With --te, Transformer Engine staged by ../shared/gpu/te-prepare.sh (/tmp/te-site) is put on the path; without it,
 # it is not, so that Megatron's inner is torch's AdamW as in the default run. The log, without Megatron's warnings,
 # goes to $OUT/bench_megatron[_TAG].log.
 set -uo pipefail
