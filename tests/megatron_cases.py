@@ -100,7 +100,7 @@ def _config(**overrides: Any) -> Any:
     from megatron.core.optimizer import OptimizerConfig
 
     options = {"optimizer": "adam", "lr": 1e-2, "min_lr": 1e-4, "weight_decay": 0.1, "bf16": True, "clip_grad": 0.1}
-    return OptimizerConfig(**{**options, **overrides, "use_distributed_optimizer": True})
+    return OptimizerConfig(**{**options, "use_distributed_optimizer": True, **overrides})
 
 
 def build(
@@ -136,8 +136,9 @@ def build(
     torch.manual_seed(0)
     net = Net()
     ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=grad_reduce_in_fp32,
-        overlap_grad_reduce=overlap_param_gather, overlap_param_gather=overlap_param_gather,
+        use_distributed_optimizer=overrides.get("use_distributed_optimizer", True),
+        grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap_param_gather,
+        overlap_param_gather=overlap_param_gather,
     )  # fmt: skip
     ddp = DistributedDataParallel(config, ddp_config, net)
     if te:
@@ -279,6 +280,7 @@ def refusals(rank: int, world: int, port: int, backend: str, result: Any) -> Non
             "wrapped": (lambda: build(True), {}),
             "cpu offload": (lambda: build(False, optimizer_cpu_offload=True, te=True), {}),
             "te without masters": (lambda: _without_masters(build(False, te=True)), {}),
+            "not distributed": (lambda: build(False, use_distributed_optimizer=False), {}),
         }
         for name, (make, options) in cases.items():
             opt = make()[2]

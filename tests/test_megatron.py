@@ -99,6 +99,7 @@ def test_what_cannot_be_wrapped_is_refused_with_what_to_do() -> None:
         "wrapped": "wrapped already",
         "cpu offload": "optimizer_cpu_offload steps Megatron's HybridDeviceOptimizer on the CPU",
         "te without masters": "needs Transformer Engine's FusedAdam(master_weights=True)",
+        "not distributed": "got Float16OptimizerWithFloat16Params: build it with OptimizerConfig(use_distributed",
     }
     for name, needle in expected.items():
         message, unchanged = messages[name]

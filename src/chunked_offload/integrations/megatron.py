@@ -89,7 +89,10 @@ def _check(d: Any, options: dict[str, Any]) -> None:
     if not isinstance(d, DistributedOptimizer):
         raise TypeError(
             f"wrap_megatron_optimizer() takes Megatron's DistributedOptimizer (or a ChainedOptimizer of them), got "
-            f"{type(d).__name__}: build it with OptimizerConfig(use_distributed_optimizer=True)"
+            f"{type(d).__name__}: build it with OptimizerConfig(use_distributed_optimizer=True) "
+            "(--use-distributed-optimizer). Megatron builds Muon without one (optimizer='muon': "
+            "Float16OptimizerWithFloat16Params; layer-wise: LayerWiseDistributedOptimizer), which is not supported "
+            "yet: use Adam, or wrap Emerging-Optimizers' Muon with ChunkedOffloadOptimizer outside Megatron"
         )
     if getattr(d, "is_stub_optimizer", False):
         return
