@@ -83,17 +83,20 @@ def wrap_megatron_optimizer(optimizer: Any, **options: Any) -> Any:
     return optimizer
 
 
+_NOT_DISTRIBUTED = (
+    "wrap_megatron_optimizer() takes Megatron's DistributedOptimizer (or a ChainedOptimizer of them), got {}: build "
+    "it with OptimizerConfig(use_distributed_optimizer=True) (--use-distributed-optimizer). Megatron builds Muon "
+    "without one (optimizer='muon': Float16OptimizerWithFloat16Params; layer-wise: LayerWiseDistributedOptimizer), "
+    "which is not supported yet: use Adam, or wrap Emerging-Optimizers' Muon with ChunkedOffloadOptimizer outside "
+    "Megatron"
+)
+
+
 def _check(d: Any, options: dict[str, Any]) -> None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     if not isinstance(d, DistributedOptimizer):
-        raise TypeError(
-            f"wrap_megatron_optimizer() takes Megatron's DistributedOptimizer (or a ChainedOptimizer of them), got "
-            f"{type(d).__name__}: build it with OptimizerConfig(use_distributed_optimizer=True) "
-            "(--use-distributed-optimizer). Megatron builds Muon without one (optimizer='muon': "
-            "Float16OptimizerWithFloat16Params; layer-wise: LayerWiseDistributedOptimizer), which is not supported "
-            "yet: use Adam, or wrap Emerging-Optimizers' Muon with ChunkedOffloadOptimizer outside Megatron"
-        )
+        raise TypeError(_NOT_DISTRIBUTED.format(type(d).__name__))
     if getattr(d, "is_stub_optimizer", False):
         return
     if isinstance(d.optimizer, ChunkedOffloadOptimizer):
