@@ -29,7 +29,8 @@ __all__ = ["BouncedStore", "ChunkIntegrityError"]
 # The sums run on threads of their own, in pieces at once, beside the I/O (sums.py): a read waits only for the sum of
 # its last piece. A write's sum runs beside it and seals the new generation before it replaces the old
 # (``write_from``'s ``seal``): a write or a sum that fails leaves the old generation the chunk's, and after the
-# replacement nothing can fail.
+# replacement nothing can fail. Reads and writes sum on pools of their own: a write submits its whole chunk at once
+# and has the write's duration to finish; in one pool a read's pieces, which the step waits for, queued behind them.
 
 
 class ChunkIntegrityError(RuntimeError):
@@ -72,6 +73,7 @@ class BouncedStore:
         self._bounces = [_Bounce(bounce_nbytes, pin) for _ in range(bounces)]
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="chunked_offload-store")
         self._summer = ThreadPoolExecutor(max_workers=SUM_THREADS, thread_name_prefix="chunked_offload-sum")
+        self._write_summer = ThreadPoolExecutor(max_workers=SUM_THREADS, thread_name_prefix="chunked_offload-wsum")
         self._expected: list[int] = []  # chunks a step will stage, in order, not yet read
 
     # ------------------------------------------------------------------ the backend
@@ -309,7 +311,7 @@ class BouncedStore:
         bounce = self._staged(chunk)
         data = bounce.buffer[: chunk.transfer_nbytes]
         start = time.perf_counter()
-        sums = PieceSums(self._summer)
+        sums = PieceSums(self._write_summer)
         sums.add(data)  # on other threads while this one writes
         sealed: list[int] = []
 
@@ -333,8 +335,8 @@ class BouncedStore:
         return flat
 
     def close(self) -> None:
-        for pool in (getattr(self, "_pool", None), getattr(self, "_summer", None)):
-            if pool is not None:
+        for name in ("_pool", "_summer", "_write_summer"):
+            if (pool := getattr(self, name, None)) is not None:
                 pool.shutdown(wait=True)
 
 
