@@ -239,6 +239,26 @@ def slowed_chunk_steps(cycles: int = 20_000_000) -> Iterator[None]:
         ChunkStepper.inner_step = original  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def recorded_shrinks(record: Callable[[Any], Any]) -> Iterator[list[Any]]:
+    """``record(slot)`` of each slot about to swap its spare in (``StagingPool.shrink``), in order, until the block
+    ends; the swaps run as they would."""
+    from chunked_offload.staging import StagingPool
+
+    seen: list[Any] = []
+    original = StagingPool.shrink
+
+    def shrink(pool: Any, slot: Any, stream: Any) -> None:
+        seen.append(record(slot))
+        original(pool, slot, stream)
+
+    StagingPool.shrink = shrink  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        StagingPool.shrink = original  # type: ignore[method-assign]
+
+
 def settled_cuda_memory() -> int:
     """``memory_allocated()`` once queued work has run and freed blocks are settled.
 

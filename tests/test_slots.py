@@ -10,7 +10,7 @@ import torch
 
 from chunked_offload import ChunkedOffloadOptimizer
 from chunked_offload.staging import StagingPool, fit_order, fit_slots
-from reference import assert_equal, internals
+from reference import assert_equal, internals, recorded_shrinks
 
 
 def test_uniform_chunks_take_slots_of_their_size_and_no_spare() -> None:
@@ -64,13 +64,14 @@ def test_fit_order_keeps_the_read_order_where_it_gains_no_spare(sizes: list[int]
 
 
 class _Net(torch.nn.Module):
-    """An embedding larger than the rest, whose chunk steps first (Megatron's GPTModel in small)."""
+    """An embedding larger than the rest, whose chunk steps first (Megatron's GPTModel in small); with ``head=64``,
+    an output layer read last as large as the embedding."""
 
-    def __init__(self) -> None:
+    def __init__(self, layers: int, head: int) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(64, 16)
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
-        self.head = torch.nn.Linear(16, 8)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(layers))
+        self.head = torch.nn.Linear(16, head)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x)
@@ -79,13 +80,13 @@ class _Net(torch.nn.Module):
         return self.head(h)
 
 
-def _loop(mode: str) -> tuple[torch.nn.Module, Any]:
+def _loop(mode: str, layers: int = 4, head: int = 8, chunk_kb: float = 2) -> tuple[torch.nn.Module, Any]:
     torch.manual_seed(0)
-    model = _Net()
+    model = _Net(layers, head)
     opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     if mode != "plain":
         opt = ChunkedOffloadOptimizer(
-            opt, chunk_size_mb=2 / 1024, overlap=mode == "overlap", step_in_backward=mode == "backward"
+            opt, chunk_size_mb=chunk_kb / 1024, overlap=mode == "overlap", step_in_backward=mode == "backward"
         )
         if mode != "sync":
             opt.attach(model)
@@ -133,57 +134,17 @@ def test_a_step_in_the_backward_keeps_its_slots_whole(monkeypatch: pytest.Monkey
     assert shrunk == []
 
 
-class _TwoEnds(torch.nn.Module):
-    """An embedding read first and an output layer read last, each larger than the layers between them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(64, 16)
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(5))
-        self.head = torch.nn.Linear(16, 64)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for layer in self.layers:
-            h = torch.nn.functional.gelu(layer(h))
-        return self.head(h)
-
-
-def _two_ends(wrapped: bool) -> tuple[torch.nn.Module, Any]:
-    torch.manual_seed(0)
-    model = _TwoEnds()
-    opt: Any = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    if wrapped:
-        opt = ChunkedOffloadOptimizer(opt, chunk_size_mb=4 / 1024, overlap=True)
-        opt.attach(model)
-    for i in range(4):
-        x = torch.randint(0, 64, (3, 5), generator=torch.Generator().manual_seed(i))
-        model(x).float().square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-    if wrapped:
-        opt.wait_step()
-    return model, opt
-
-
 @pytest.mark.parametrize("fitted", [True, False])
 def test_an_overlapped_step_puts_the_larger_chunks_at_both_ends_in_one_slot(
     fitted: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """In read order the output layer's chunk steps last, in the other slot than the embedding's: both slots stay
     large to the step's end. Stepped early in the embedding's slot, that slot swaps in a spare after it."""
-    shrunk: list[int] = []
-    real = StagingPool.shrink
-
-    def recording(pool: StagingPool, slot: Any, stream: Any) -> None:
-        shrunk.append(slot.buffer.numel())
-        real(pool, slot, stream)
-
-    monkeypatch.setattr(StagingPool, "shrink", recording)
     if not fitted:
         monkeypatch.setattr("chunked_offload.schedule.fit_order", lambda nbytes, *a, **k: list(range(len(nbytes))))
-    plain, _ = _two_ends(wrapped=False)
-    model, opt = _two_ends(wrapped=True)
+    plain, _ = _loop("plain", layers=5, head=64)
+    with recorded_shrinks(lambda slot: slot.buffer.numel()) as shrunk:
+        model, opt = _loop("overlap", layers=5, head=64, chunk_kb=4)
     for (name, a), b in zip(plain.named_parameters(), model.parameters(), strict=True):
         assert_equal(a, b, name)
     plan = internals(opt).placement.layout.plan

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from chunked_offload import ChunkedOffloadOptimizer
-from chunked_offload.staging import StagingPool
-from reference import assert_equal, slowed_chunk_steps
+from reference import assert_equal, recorded_shrinks, slowed_chunk_steps
 
 pytestmark = pytest.mark.cuda
 
@@ -54,21 +53,11 @@ def _train(mode: str, head: bool = False) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("mode", ["sync", "overlap"])
 @pytest.mark.usefixtures("deterministic")
-def test_slot_memory_handed_back_during_a_step_is_not_reused_under_its_write_back(
-    mode: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    shrunk: list[int] = []
-    real = StagingPool.shrink
-
-    def counting(pool: StagingPool, slot: Any, stream: Any) -> None:
-        shrunk.append(slot.buffer.numel() - slot.spare.numel())
-        real(pool, slot, stream)
-
-    monkeypatch.setattr(StagingPool, "shrink", counting)
+def test_slot_memory_handed_back_during_a_step_is_not_reused_under_its_write_back(mode: str) -> None:
     expected = _train("plain")
     for i, (a, b) in enumerate(zip(expected, _train("plain"), strict=True)):
         assert_equal(a, b, f"control: param {i}")
-    with slowed_chunk_steps():
+    with slowed_chunk_steps(), recorded_shrinks(lambda slot: slot.buffer.numel() - slot.spare.numel()) as shrunk:
         got = _train(mode)
     assert shrunk and all(n > 0 for n in shrunk)
     for i, (a, b) in enumerate(zip(expected, got, strict=True)):
@@ -76,23 +65,13 @@ def test_slot_memory_handed_back_during_a_step_is_not_reused_under_its_write_bac
 
 
 @pytest.mark.usefixtures("deterministic")
-def test_an_overlapped_step_with_an_output_layer_as_large_as_the_embedding_shrinks_their_slot(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_an_overlapped_step_with_an_output_layer_as_large_as_the_embedding_shrinks_their_slot() -> None:
     """The output layer, read last, steps early in the embedding's slot (``fit_order``), which then swaps in its
     spare while the write-backs of both may still read the larger memory; bitwise with every chunk's step slowed."""
-    shrunk: list[int] = []
-    real = StagingPool.shrink
-
-    def recording(pool: StagingPool, slot: Any, stream: Any) -> None:
-        shrunk.append(slot.buffer.numel())
-        real(pool, slot, stream)
-
-    monkeypatch.setattr(StagingPool, "shrink", recording)
     expected = _train("plain", head=True)
     for i, (a, b) in enumerate(zip(expected, _train("plain", head=True), strict=True)):
         assert_equal(a, b, f"control: param {i}")
-    with slowed_chunk_steps():
+    with slowed_chunk_steps(), recorded_shrinks(lambda slot: slot.buffer.numel()) as shrunk:
         got = _train("overlap", head=True)
     assert len(shrunk) == 3 and len(set(shrunk)) == 1  # the same slot, in every step after the first
     for i, (a, b) in enumerate(zip(expected, got, strict=True)):
