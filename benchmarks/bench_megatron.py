@@ -431,9 +431,17 @@ def main() -> int:
             + (" (fused)" if args.fused else "")
             + (", precision-aware path" if args.te else "")
         )
-        results = []
+        results, failed = [], []
         for v in variants:
-            results.append((v, run(v, args)))
+            try:
+                results.append((v, run(v, args)))
+            except Exception as e:  # the other variants still run (the resident ones are needed: they raise)
+                if v == "resident":
+                    raise
+                failed.append(f"{v} ({type(e).__name__}: {e})")
+                print(f"  {v} failed: {failed[-1]}", flush=True)
+                free()
+                continue
             print(f"  ran {v}: {results[-1][1]['s']:.4f} s/iter", flush=True)
             if "profile" in results[-1][1]:
                 print(results[-1][1]["profile"], flush=True)
@@ -451,7 +459,9 @@ def main() -> int:
               f"{(below - r['peak']) / params:13.2f} {r['built'] / 2**30:9.2f} {bitwise:>8s}"
               + (f"  ({r['why']})" if "why" in r else ""))  # fmt: skip
     print(f"{'resident':18s} {base['s']:8.4f} {1:7.1%} {base['peak'] / 2**30:9.2f} {base['built'] / 2**30:9.2f}")
-    return 0 if ok else 1
+    for line in failed:
+        print(f"FAILED: {line}")
+    return 0 if ok and not failed else 1
 
 
 if __name__ == "__main__":
