@@ -267,13 +267,11 @@ class StepSchedule:
         """Sort the chunks of an overlapped step with an attached model: eager ones first, then by the last forward's
         reads ([Note: Read order]); chunks larger than the rest step early, in one slot (``fit_order``)."""
         self.reads.sort(chunks)
-        eager = [self.eager(c) for c in chunks]
-        chunks[:] = [c for c, e in zip(chunks, eager, strict=True) if e] + [
-            c for c, e in zip(chunks, eager, strict=True) if not e
-        ]
+        eager = {c.index for c in chunks if self.eager(c)}
+        chunks.sort(key=lambda c: c.index not in eager)  # stable: the eager chunks first, in that order
         slots = len(self.pipeline.pool.slots)
         window = slots * self.pipeline.require_layout().plan.slot_nbytes
-        order = fit_order([c.device_nbytes for c in chunks], slots, window, start=sum(eager))
+        order = fit_order([c.device_nbytes for c in chunks], slots, window, start=len(eager))
         chunks[:] = [chunks[p] for p in order]
 
     def eager(self, chunk: Chunk) -> bool:
