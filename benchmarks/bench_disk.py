@@ -391,11 +391,9 @@ def main() -> int:
         help="off: the tier's CRC-32 of each chunk replaced by a constant (the A/B of [Note: Chunk integrity])",
     )  # fmt: skip
     parser.add_argument(
-        "--ab-rounds",
-        type=int,
-        default=1,
+        "--ab-rounds", type=int, default=1,
         help="rounds of the checksum A/B (on, off, off, on each); the median is shown",
-    )
+    )  # fmt: skip
     parser.add_argument("--host-budget", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--capacity", action="store_true", help=argparse.SUPPRESS)
@@ -450,8 +448,7 @@ def main() -> int:
         "of the bytes read over the O_DIRECT read rate and the bytes written over the tier's write rate (both at "
         "once); x at once: the same with the rates the disk gave while reading and writing at once; checksum: the step "
         "against the same share with the checksums off (run on, off, off, on; the median of --ab-rounds); sum "
-        "waits: the time the disk's reads "
-        "and writes waited for their checksums, a share of the step"
+        "waits: the time the disk's reads and writes waited for their checksums, a share of the step"
     )
     print(f"{'on disk':>8} {'step s':>8} {'floor s':>8} {'x floor':>8} {'bound':>5} {'x direct':>8} {'x at once':>9} "
           f"{'disk GB/s':>9} "

@@ -139,9 +139,8 @@ def iteration(ddp: Any, opt: Any, it: int, args: argparse.Namespace) -> float:
 
         return output, loss
 
-    if getattr(
-        getattr(opt, "config", None), "chunked_optimizer_state_offload", False
-    ):  # dev's train_step: state to the host first
+    dev_offload = getattr(getattr(opt, "config", None), "chunked_optimizer_state_offload", False)
+    if dev_offload:  # as dev's train_step: the state goes to the host first
         opt.offload_optimizer_state_for_forward()
     ddp.zero_grad_buffer()
     opt.zero_grad()
